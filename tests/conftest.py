@@ -1,0 +1,61 @@
+"""Shared fixtures: tiny random Llama- and Qwen2-shaped models, and one real SmolLM2 instance."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
+
+from speedkv.engine import Engine
+from speedkv.models import LoadedModel
+
+TINY = dict(
+    vocab_size=101,
+    hidden_size=64,
+    intermediate_size=96,
+    num_hidden_layers=6,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    max_position_embeddings=512,
+    bos_token_id=None,
+    eos_token_id=None,
+    pad_token_id=None,
+    attn_implementation="eager",  # the dense reference runs transformers' own eager attention
+)
+
+
+def tiny_model(family: str, seed: int = 0) -> LoadedModel:
+    torch.manual_seed(seed)
+    if family == "llama":
+        hf = LlamaForCausalLM(LlamaConfig(**TINY))
+    else:
+        hf = Qwen2ForCausalLM(Qwen2Config(**TINY))  # q/k/v projections with bias
+    hf.eval().requires_grad_(False)
+    # Random init is too flat to discriminate tokens; scale it so greedy choices are decisive.
+    with torch.no_grad():
+        for p in hf.parameters():
+            p.mul_(3.0)
+    return LoadedModel(name=f"tiny-{family}", hf_model=hf, tokenizer=None, source="memory")
+
+
+@pytest.fixture(scope="session", params=["llama", "qwen2"])
+def tiny(request) -> LoadedModel:
+    return tiny_model(request.param)
+
+
+@pytest.fixture(scope="session")
+def tiny_engine(tiny) -> Engine:
+    return Engine(tiny, chunk_size=16)  # small chunks so prompts span several
+
+
+def random_prompt(n: int, vocab: int = 101, seed: int = 1) -> list[int]:
+    g = torch.Generator().manual_seed(seed)
+    return torch.randint(0, vocab, (n,), generator=g).tolist()
+
+
+@pytest.fixture(scope="session")
+def smollm2() -> LoadedModel:
+    """The embedded default model in float32, loaded once for every real-model test."""
+    from speedkv.models import load_model
+
+    return load_model("smollm2-135m", dtype="float32", device="cpu", progress=False)

@@ -1,0 +1,19 @@
+"""Small helpers shared by tests: step the engine by hand and keep every logit row."""
+
+from __future__ import annotations
+
+import torch
+
+from speedkv.engine import Engine
+from speedkv.policy import Policy
+
+
+def greedy_with_logits(engine: Engine, ids: list[int], policy: Policy, steps: int):
+    """Greedy decode of `steps` tokens by hand; returns (tokens, logits [steps, V], cache)."""
+    cache, logits = engine.prefill(ids, policy, spare=steps)
+    rows, tokens = [logits], [int(logits.argmax())]
+    for i in range(steps - 1):
+        row = engine.decode_step([cache], [policy], [tokens[-1]], [len(ids) + i])[0]
+        rows.append(row)
+        tokens.append(int(row.argmax()))
+    return tokens, torch.stack(rows), cache

@@ -1,0 +1,87 @@
+"""The engine against two independent computations: transformers' own `generate`, and SPEED
+in dense form through transformers' own layers (speedkv.dense)."""
+
+import itertools
+
+import pytest
+import torch
+from conftest import random_prompt
+from helpers import greedy_with_logits
+
+from speedkv.dense import speed_dense_forward
+from speedkv.engine import Request
+from speedkv.policy import make_policy
+from speedkv.sampling import SamplingParams
+
+
+def hf_greedy(model, ids, steps):
+    out = model.hf_model.generate(
+        torch.tensor([ids]),
+        attention_mask=torch.ones(1, len(ids), dtype=torch.long),
+        max_new_tokens=steps,
+        min_new_tokens=steps,
+        do_sample=False,
+        pad_token_id=0,
+    )
+    return out[0, len(ids) :].tolist()
+
+
+@pytest.mark.parametrize("n", [1, 37, 70])
+def test_full_and_uncut_speed_equal_hf_generate(tiny, tiny_engine, n):
+    ids = random_prompt(n)
+    expected = hf_greedy(tiny, ids, 12)
+    L = tiny.shape.num_layers
+    for spec in ("full", f"speed:lcut={L},anchors=bos", f"speed:lcut={L},anchors=none,deep=5"):
+        request = Request(ids, make_policy(spec, tiny.shape), SamplingParams(max_new_tokens=12))
+        assert tiny_engine.generate([request])[0].output_ids == expected, spec
+
+
+GRID = list(
+    itertools.product(
+        [0, 1, 3, 5],  # lcut, including 0 and L-1 for the 6-layer tiny models
+        [("none", 0), ("bos", 1), ("sink:4", 4)],
+        [1, 4],  # deep suffix
+        [False, True],  # SelfOnly
+    )
+)
+
+
+@pytest.mark.parametrize("lcut, anchors, deep, selfonly", GRID)
+def test_incremental_speed_equals_dense_reference(tiny, tiny_engine, lcut, anchors, deep, selfonly):
+    name, count = anchors
+    ids = random_prompt(45, seed=lcut + deep)
+    spec = f"speed:lcut={lcut},anchors={name},deep={deep},selfonly={str(selfonly).lower()}"
+    policy = make_policy(spec, tiny.shape)
+    tokens, logits, _ = greedy_with_logits(tiny_engine, ids, policy, steps=8)
+    sequence = torch.tensor(ids + tokens[:-1])
+    dense, positions = speed_dense_forward(
+        tiny.backbone, sequence, len(ids), lcut, count, deep, selfonly
+    )
+    dense = dense[positions >= len(ids) - 1]  # the rows that predict new tokens
+    assert dense.argmax(-1).tolist() == tokens
+    assert torch.allclose(logits, dense, atol=1e-4, rtol=0), (logits - dense).abs().max()
+
+
+def test_shallow_tokens_are_never_computed_in_upper_layers(tiny, tiny_engine, monkeypatch):
+    """Count the rows each layer's q/k/v projection sees: upper layers get anchors + deep only."""
+    seen = {}
+    original = tiny.backbone.qkv
+
+    def counting_qkv(layer, x, cos, sin):
+        seen[layer] = seen.get(layer, 0) + x.shape[-2]
+        return original(layer, x, cos, sin)
+
+    monkeypatch.setattr(tiny.backbone, "qkv", counting_qkv)
+    policy = make_policy("speed:lcut=2,anchors=sink:4,deep=3", tiny.shape)
+    tiny_engine.prefill(random_prompt(50), policy)
+    assert [seen[layer] for layer in range(6)] == [50, 50, 4 + 3, 4 + 3, 4 + 3, 4 + 3]
+
+
+def test_prefill_chunk_size_does_not_change_results(tiny):
+    from speedkv.engine import Engine
+
+    ids = random_prompt(70)
+    policy = make_policy("speed:lcut=3,anchors=bos,deep=3", tiny.shape)
+    a = greedy_with_logits(Engine(tiny, chunk_size=5), ids, policy, 4)[1]
+    b = greedy_with_logits(Engine(tiny, chunk_size=4096), ids, policy, 4)[1]
+    assert torch.allclose(a, b, atol=1e-5)

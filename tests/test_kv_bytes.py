@@ -1,0 +1,51 @@
+"""kv_bytes is counted from the tensors that exist and equals the analytic layer-token count."""
+
+import pytest
+import torch
+from conftest import random_prompt
+
+from speedkv.engine import Engine, Request
+from speedkv.policy import make_policy
+from speedkv.sampling import SamplingParams
+
+
+def analytic(L, lcut, N, A, D, g, per_token_layer):
+    """(lcut * (N + g) + (L - lcut) * (A + D + g)) * bytes; g = decode tokens in the cache."""
+    return (lcut * (N + g) + (L - lcut) * (A + D + g)) * per_token_layer
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize(
+    "lcut, anchors, A, D",
+    [(6, "bos", 1, 1), (4, "bos", 1, 1), (0, "none", 0, 1), (3, "sink:4", 4, 5), (5, "none", 0, 3)],
+)
+def test_kv_bytes_match_the_analytic_count(tiny, lcut, anchors, A, D, dtype):
+    tiny.hf_model.to(dtype)
+    try:
+        engine = Engine(tiny, chunk_size=16)
+        N, new = 57, 9
+        policy = make_policy(f"speed:lcut={lcut},anchors={anchors},deep={D}", tiny.shape)
+        sampling = SamplingParams(max_new_tokens=new, ignore_eos=True)
+        result = engine.generate([Request(random_prompt(N), policy, sampling)])[0]
+        per = tiny.shape.kv_bytes_per_token_layer(dtype)
+        assert per == 2 * 2 * 16 * (4 if dtype == torch.float32 else 2)
+        L = tiny.shape.num_layers
+        assert result.kv_bytes == analytic(L, lcut, N, A, D, 0, per)
+        # the last sampled token is never fed back, so new - 1 decode tokens hold K/V
+        assert result.kv_bytes_final == analytic(L, lcut, N, A, D, new - 1, per)
+        assert result.layer_lengths == [N] * lcut + [A + D] * (L - lcut)
+        # buffers are sized for exactly what is kept plus the decode tokens to come
+        assert result.kv_allocated_bytes == result.kv_bytes_final
+    finally:
+        tiny.hf_model.to(torch.float32)
+
+
+def test_selfonly_keeps_only_anchors_in_upper_layers(tiny, tiny_engine):
+    N, new, L = 40, 6, tiny.shape.num_layers
+    policy = make_policy("speed:lcut=2,anchors=bos,deep=3,selfonly=true", tiny.shape)
+    result = tiny_engine.generate(
+        [Request(random_prompt(N), policy, SamplingParams(max_new_tokens=new))]
+    )[0]
+    per = tiny.shape.kv_bytes_per_token_layer(torch.float32)
+    assert result.layer_lengths == [N, N] + [1] * (L - 2)
+    assert result.kv_bytes_final == (2 * (N + new - 1) + (L - 2) * 1) * per
