@@ -10,7 +10,8 @@ from speedkv.policy import Policy
 
 def greedy_with_logits(engine: Engine, ids: list[int], policy: Policy, steps: int):
     """Greedy decode of `steps` tokens by hand; returns (tokens, logits [steps, V], cache)."""
-    cache, logits = engine.prefill(ids, policy, spare=steps)
+    done = engine.prefill(ids, policy, spare=steps)
+    cache, logits = done.cache, done.logits
     rows, tokens = [logits], [int(logits.argmax())]
     for i in range(steps - 1):
         row = engine.decode_step([cache], [policy], [tokens[-1]], [len(ids) + i])[0]

@@ -67,6 +67,13 @@ def test_unsupported_gguf_architecture(tmp_path, monkeypatch, capsys):
         (["generate", "hi", "--method", "speed:lcut=31"], "lcut must be between 0 and 30"),
         (["generate", "hi", "--method", "speed:lcut=22,window=3"], "has no option 'window'"),
         (["generate", "word " * 8300, "--raw"], "more than the model's context of 8192"),
+        (
+            ["generate", "hi", "--method", "fastkv:tsp_rate=1.5"],
+            "tsp_rate above 1 is a token count",
+        ),
+        (["generate", "hi", "--method", "snapkv:retain=0"], "retain must be a fraction"),
+        (["generate", "hi", "--method", "gemfilter:filter_layer=30"], "between 0 and 29"),
+        (["generate", "hi", "--method", "h2o:heavy=0.1,sink=4"], "has no option 'sink'"),
     ],
 )
 def test_bad_input_that_needs_the_model(args, message, smollm2, monkeypatch, capsys):

@@ -5,13 +5,14 @@ import itertools
 
 import pytest
 import torch
-from conftest import random_prompt
-from helpers import greedy_with_logits
 
 from speedkv.dense import speed_dense_forward
 from speedkv.engine import Request
 from speedkv.policy import make_policy
 from speedkv.sampling import SamplingParams
+
+from conftest import random_prompt
+from helpers import greedy_with_logits
 
 
 def hf_greedy(model, ids, steps):

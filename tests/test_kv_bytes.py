@@ -2,11 +2,12 @@
 
 import pytest
 import torch
-from conftest import random_prompt
 
 from speedkv.engine import Engine, Request
 from speedkv.policy import make_policy
 from speedkv.sampling import SamplingParams
+
+from conftest import random_prompt
 
 
 def analytic(L, lcut, N, A, D, g, per_token_layer):
@@ -49,3 +50,34 @@ def test_selfonly_keeps_only_anchors_in_upper_layers(tiny, tiny_engine):
     per = tiny.shape.kv_bytes_per_token_layer(torch.float32)
     assert result.layer_lengths == [N, N] + [1] * (L - 2)
     assert result.kv_bytes_final == (2 * (N + new - 1) + (L - 2) * 1) * per
+
+
+def test_prefill_work_counts_and_flops(tiny, tiny_engine):
+    from speedkv.flops import head_flops, layer_weights, pair_flops
+
+    N, L = 33, tiny.shape.num_layers
+    full = tiny_engine.prefill(random_prompt(N), make_policy("full", tiny.shape))
+    assert full.rows == [N] * L and full.pairs == [N * (N + 1) // 2] * L
+    speed = tiny_engine.prefill(
+        random_prompt(N), make_policy("speed:lcut=4,anchors=bos", tiny.shape)
+    )
+    assert speed.rows == [N] * 4 + [2] * (L - 4)
+    assert speed.pairs == [N * (N + 1) // 2] * 4 + [3] * (L - 4)  # BoS sees itself; last sees both
+    selfonly = make_policy("speed:lcut=4,anchors=bos,deep=3,selfonly=true", tiny.shape)
+    assert tiny_engine.prefill(random_prompt(N), selfonly).pairs[4:] == [1 + 2 + 2 + 2] * (L - 4)
+    result = tiny_engine.generate(
+        [
+            Request(
+                random_prompt(N), make_policy("full", tiny.shape), SamplingParams(max_new_tokens=4)
+            )
+        ]
+    )[0]
+    per_layer = 2 * layer_weights(tiny.shape)
+    assert result.flops_prefill == L * (
+        per_layer * N + pair_flops(tiny.shape) * N * (N + 1) // 2
+    ) + head_flops(tiny.shape)
+    reads = L * ((N + 1) + (N + 2) + (N + 3))  # three decode steps, each also sees itself
+    assert (
+        result.flops_decode
+        == 3 * (per_layer * L + head_flops(tiny.shape)) + pair_flops(tiny.shape) * reads
+    )

@@ -2,7 +2,6 @@
 
 import pytest
 import torch
-from helpers import greedy_with_logits
 
 from speedkv.dense import speed_dense_forward
 from speedkv.engine import Engine, Request
@@ -10,6 +9,8 @@ from speedkv.haystack import haystack_text
 from speedkv.policy import make_policy
 from speedkv.sampling import SamplingParams
 from speedkv.textio import encode_prompt
+
+from helpers import greedy_with_logits
 
 pytestmark = pytest.mark.real_model
 

@@ -24,6 +24,7 @@ class LayerKV:
         self.v = torch.empty((heads, capacity, dim), dtype=dtype, device=device)
         self.pos = torch.empty((heads, capacity), dtype=torch.int32, device=device)
         self.length = 0
+        self.reads = 0  # entries read by decode-phase queries, summed over steps
 
     @property
     def capacity(self) -> int:
@@ -56,6 +57,9 @@ class LayerKV:
         """
         if self.length == self.capacity:
             self._grow()
+        if k.shape[0] != self.k.shape[0]:  # a cache kept per query head (SnapKV without GQA)
+            k = k.repeat_interleave(self.k.shape[0] // k.shape[0], 0)
+            v = v.repeat_interleave(self.k.shape[0] // v.shape[0], 0)
         self.k[:, self.length] = k[:, 0]
         self.v[:, self.length] = v[:, 0]
         self.pos[:, self.length] = position
@@ -70,12 +74,33 @@ class LayerKV:
         if index.dim() == 1:
             index = index.expand(heads, -1)
         spare = self.capacity - self.length
+        keys, values, positions = self.keys(), self.values(), self.positions()
+        if index.shape[0] != heads:  # per-query-head selection: one copy per query head
+            group = index.shape[0] // heads
+            keys, values = keys.repeat_interleave(group, 0), values.repeat_interleave(group, 0)
+            positions = positions.repeat_interleave(group, 0)
+            heads = index.shape[0]
         gather = index.unsqueeze(-1).expand(-1, -1, dim)
-        k = torch.gather(self.keys(), 1, gather)
-        v = torch.gather(self.values(), 1, gather)
-        pos = torch.gather(self.positions(), 1, index)
+        k = torch.gather(keys, 1, gather)
+        v = torch.gather(values, 1, gather)
+        pos = torch.gather(positions, 1, index)
+        reads = self.reads
         self.__init__(heads, index.shape[1] + spare, dim, self.k.dtype, self.k.device)
         self.extend(k, v, pos)
+        self.reads = reads
+
+    def evict(self, slots: torch.Tensor) -> None:
+        """Drop one live entry per head (slots: [heads]); the last entry moves into its slot.
+
+        Order inside the buffer carries no meaning in decode (keys are already rotated and
+        every live entry is visible), so swap-removal keeps eviction O(1) per head.
+        """
+        heads = torch.arange(self.k.shape[0], device=self.k.device)
+        last = self.length - 1
+        self.k[heads, slots] = self.k[:, last].clone()
+        self.v[heads, slots] = self.v[:, last].clone()
+        self.pos[heads, slots] = self.pos[:, last].clone()
+        self.length = last
 
     def nbytes(self) -> int:
         return 2 * self.k.shape[0] * self.length * self.k.shape[2] * self.k.element_size()
@@ -98,11 +123,19 @@ class KVCache:
     def __init__(self, layers: list[LayerKV]):
         self.layers = layers
 
+    def distinct(self) -> list[LayerKV]:
+        """Each buffer once: layers may share one cache (SwiftKV's AcrossKV)."""
+        return list({id(layer): layer for layer in self.layers}.values())
+
     def nbytes(self) -> int:
-        return sum(layer.nbytes() for layer in self.layers)
+        return sum(layer.nbytes() for layer in self.distinct())
 
     def allocated_bytes(self) -> int:
-        return sum(layer.allocated_bytes() for layer in self.layers)
+        return sum(layer.allocated_bytes() for layer in self.distinct())
 
     def lengths(self) -> list[int]:
         return [layer.length for layer in self.layers]
+
+    def decode_reads(self) -> int:
+        """KV entries read by decode-phase queries, over all layers and steps."""
+        return sum(layer.reads for layer in self.distinct())

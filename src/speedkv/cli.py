@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import importlib
 import json
 import sys
 from pathlib import Path
@@ -160,19 +161,139 @@ def models(
 @app.command()
 def demo(
     model: str = typer.Option("smollm2-135m", "--model", "-m", help=MODEL_HELP),
-    method: str = typer.Option(
-        "speed:lcut=26,anchors=bos", "--method", help="The SPEED setting to compare with full."
+    methods: str = typer.Option(
+        "speed:lcut=26,anchors=bos",
+        "--methods",
+        help="Method specs to compare with full, separated by ';'.",
     ),
-    tokens: int = typer.Option(
-        3000, "--tokens", help="Approximate length of the document in tokens."
-    ),
+    tokens: int = typer.Option(3000, "--tokens", help="Approximate document length in tokens."),
     dtype: str = typer.Option("auto", "--dtype", help="auto, float32 or bfloat16."),
     as_json: bool = typer.Option(False, "--json", help="Print JSON."),
 ) -> None:
-    """Ask one question about a long document with full attention and with SPEED; compare."""
+    """Ask one question about a long document with full attention and with SPEED (or any
+    methods); print the answers and what each cost."""
+    from .bench import parse_methods
     from .demo import run_demo
 
-    run_demo(model=model, method=method, tokens=tokens, dtype=dtype, as_json=as_json)
+    run_demo(
+        model=model, methods=parse_methods(methods), tokens=tokens, dtype=dtype, as_json=as_json
+    )
+
+
+@app.command()
+def bench(
+    model: str = typer.Option("smollm2-135m", "--model", "-m", help=MODEL_HELP),
+    methods: str = typer.Option(
+        "full;speed:lcut=22,anchors=bos",
+        "--methods",
+        help="Method specs separated by ';'. 'hf' is the model's own generate(); "
+        "full is always added.",
+    ),
+    lengths: str = typer.Option(
+        "1024,2048,4096,8192", "--lengths", help="Prompt lengths in tokens."
+    ),
+    new_tokens: int = typer.Option(128, "--new-tokens", help="Tokens generated per run."),
+    repeats: int = typer.Option(5, "--repeats", help="Measured runs per cell (after one warm-up)."),
+    out: Path = typer.Option(Path("runs/bench"), "--out", help="Directory for results."),
+    dtype: str = typer.Option("auto", "--dtype", help="auto, float32 or bfloat16."),
+    resume: bool = typer.Option(False, "--resume", help="Skip runs already in OUT/runs.jsonl."),
+    as_json: bool = typer.Option(False, "--json", help="Print results.json to stdout."),
+) -> None:
+    """Measure TTFT, TPOT, KV bytes, peak RSS and FLOPs per method and prompt length."""
+    from .bench import Bench, BenchConfig, parse_lengths, parse_methods
+    from .models import load_model
+    from .policy import split_spec
+
+    config = BenchConfig(
+        model=model,
+        methods=parse_methods(methods),
+        lengths=parse_lengths(lengths),
+        new_tokens=new_tokens,
+        repeats=repeats,
+        dtype=dtype,
+    )
+    for spec in config.methods:
+        if spec != "hf":
+            split_spec(spec)
+    if repeats < 1:
+        raise UserError(f"repeats must be at least 1, got {repeats}")
+    log(f"loading {model}")
+    runner = Bench(load_model(model, dtype=dtype), config, out)
+    result = runner.run(resume=resume)
+    if as_json:
+        print(json.dumps(result, indent=2))
+    else:
+        from .bench import markdown_table
+
+        print(markdown_table(result))
+        log(f"results in {out}/ (results.json, results.csv, table.md, efficiency.png)")
+
+
+@app.command("calibrate-tsp")
+def calibrate_tsp_command(
+    model: str = typer.Option("smollm2-135m", "--model", "-m", help=MODEL_HELP),
+    tsp_rate: float = typer.Option(0.2, "--tsp-rate", help="Share of tokens TSP propagates."),
+    max_layer: int | None = typer.Option(
+        None, "--max-layer", help="Latest candidate layer (default L/2)."
+    ),
+    min_layer: int = typer.Option(0, "--min-layer", help="Earliest candidate layer."),
+    tolerance: float = typer.Option(
+        0.0, "--tolerance", help="Pick the earliest layer within this relative margin of the best."
+    ),
+    prompts_file: Path | None = typer.Option(
+        None, "--prompts", help="Calibration prompts, one per line."
+    ),
+    n: int = typer.Option(4, "--n", help="Built-in calibration prompts to use."),
+    length: int = typer.Option(1024, "--length", help="Tokens per built-in prompt."),
+    dtype: str = typer.Option("auto", "--dtype", help="auto, float32 or bfloat16."),
+    as_json: bool = typer.Option(False, "--json", help="Print JSON."),
+) -> None:
+    """Choose FastKV's TSP layer: the earliest layer whose final hidden states stay closest to
+    full context (FastKV, Eq. 3); prints every candidate's distance."""
+    from .calibrate import calibrate_tsp, default_prompts
+    from .engine import Engine
+    from .models import load_model
+    from .scoring import check_budget
+    from .textio import encode_prompt
+
+    check_budget(tsp_rate, "tsp-rate")
+    lines = _read_lines(prompts_file) if prompts_file else None
+    log(f"loading {model}")
+    loaded = load_model(model, dtype=dtype)
+    if lines is not None:
+        prompts = [encode_prompt(loaded.tokenizer, line).ids for line in lines]
+    else:
+        prompts = default_prompts(loaded.tokenizer, n, length)
+    result = calibrate_tsp(Engine(loaded), prompts, tsp_rate, max_layer, min_layer, tolerance)
+    if as_json:
+        print(
+            json.dumps(
+                {
+                    "tsp_layer": result.layer,
+                    "spec": result.spec(),
+                    "tsp_rate": tsp_rate,
+                    "max_layer": result.max_layer,
+                    "prompts": result.prompts,
+                    "distances": {str(k): v for k, v in result.distances.items()},
+                }
+            )
+        )
+        return
+    best = min(result.distances.values())
+    print(f"{'layer':>5}  {'distance':>10}")
+    for layer, distance in result.distances.items():
+        mark = "  <- chosen" if layer == result.layer else ("  (best)" if distance == best else "")
+        print(f"{layer:>5}  {distance:>10.5f}{mark}")
+    print(f"\nTSP layer {result.layer}: use --method '{result.spec()}'")
+
+
+def _read_lines(path: Path) -> list[str]:
+    if not path.is_file():
+        raise UserError(f"prompt file '{path}' does not exist")
+    lines = [line.strip() for line in path.read_text(encoding="utf-8").splitlines() if line.strip()]
+    if not lines:
+        raise UserError(f"prompt file '{path}' has no prompts (one per line)")
+    return lines
 
 
 def _read_prompt(prompt: str | None, prompt_file: Path | None) -> str:
@@ -187,6 +308,14 @@ def _read_prompt(prompt: str | None, prompt_file: Path | None) -> str:
     if prompt is None or not prompt.strip():
         raise UserError("the prompt is empty; give some text or a --prompt-file")
     return prompt
+
+
+# Tools that own their command: each module defines `register(app)` and keeps its heavy
+# imports inside the command function, so `speedkv --help` stays fast.
+TOOL_COMMANDS: list[str] = []
+
+for _module in TOOL_COMMANDS:
+    importlib.import_module(_module).register(app)
 
 
 def main() -> None:

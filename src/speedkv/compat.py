@@ -111,16 +111,19 @@ class Backbone:
     def rope(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """cos, sin for the given absolute positions ([n] -> [n, head_dim] each).
 
-        The table is computed once by the model's own rotary module over every position of
-        its context, so rope scaling variants (llama3, yarn, linear) come out as HF has them.
+        The table is computed by the model's own rotary module (so rope scaling variants come
+        out as HF has them) once for the whole context, and extended if generation runs past
+        it, as HF's generate allows.
         """
-        if self._rope_table is None or self._rope_table[0].dtype != self.dtype:
-            all_pos = torch.arange(self.shape.max_positions, device=self.device)[None]
+        needed = int(positions.max()) + 1 if positions.numel() else 1
+        table = self._rope_table
+        if table is None or table[0].dtype != self.dtype or table[0].shape[0] < needed:
+            size = max(self.shape.max_positions, 2 * needed if table is not None else needed)
+            all_pos = torch.arange(size, device=self.device)[None]
             probe = torch.empty((), dtype=self.dtype, device=self.device)
             cos, sin = self._rotary(probe, all_pos)
-            self._rope_table = (cos[0].contiguous(), sin[0].contiguous())
-        cos, sin = self._rope_table
-        return cos[positions], sin[positions]
+            self._rope_table = table = (cos[0].contiguous(), sin[0].contiguous())
+        return table[0][positions], table[1][positions]
 
     def final_norm(self, h: torch.Tensor) -> torch.Tensor:
         return self._norm(h)
@@ -145,6 +148,14 @@ class Backbone:
             q = attn.q_norm(q.transpose(-3, -2)).transpose(-3, -2)
             k = attn.k_norm(k.transpose(-3, -2)).transpose(-3, -2)
         return apply_rope(q, cos, sin), apply_rope(k, cos, sin), v
+
+    def q(self, layer: int, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        """Only a layer's post-rotary query of normed input x."""
+        attn = self.layers[layer].self_attn
+        q = self._heads(attn.q_proj(x))
+        if hasattr(attn, "q_norm"):
+            q = attn.q_norm(q.transpose(-3, -2)).transpose(-3, -2)
+        return apply_rope(q, cos, sin)
 
     def kv(
         self, layer: int, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
@@ -189,16 +200,52 @@ class Backbone:
         )
         return out[0] if isinstance(out, tuple) else out
 
-    def hf_generate_greedy(self, ids: torch.Tensor, max_new_tokens: int) -> torch.Tensor:
-        """The library's own greedy `generate`: the baseline users already know."""
-        out = self.hf_model.generate(
-            ids,
-            attention_mask=torch.ones_like(ids),
+    def hf_generate_timed(self, ids: torch.Tensor, max_new_tokens: int) -> dict:
+        """The library's own greedy `generate`, timed: the baseline users already know.
+
+        Returns the new tokens, time to the first one, mean time per later one, and the bytes of
+        the key/value tensors its cache holds at the end.
+        """
+        import time
+
+        from transformers import GenerationConfig
+        from transformers.generation.streamers import BaseStreamer
+
+        class Clock(BaseStreamer):
+            def __init__(self):
+                self.calls: list[float] = []
+
+            def put(self, value):  # first call: the prompt; then one per new token
+                self.calls.append(time.perf_counter())
+
+            def end(self):
+                pass
+
+        clock = Clock()
+        config = GenerationConfig(
             max_new_tokens=max_new_tokens,
             min_new_tokens=max_new_tokens,
             do_sample=False,
-            pad_token_id=self.config.eos_token_id
-            if isinstance(self.config.eos_token_id, int)
-            else 0,
+            pad_token_id=0,
+            eos_token_id=None,
+            return_dict_in_generate=True,
         )
-        return out[0, ids.shape[1] :]
+        start = time.perf_counter()
+        with torch.inference_mode():
+            out = self.hf_model.generate(
+                ids,
+                attention_mask=torch.ones_like(ids),
+                generation_config=config,
+                streamer=clock,
+            )
+        tokens = out.sequences[0, ids.shape[1] :].tolist()
+        stamps = clock.calls[1:]
+        kv = sum(
+            t.nbytes for layer in out.past_key_values.layers for t in (layer.keys, layer.values)
+        )
+        return {
+            "output_ids": tokens,
+            "ttft_s": stamps[0] - start,
+            "tpot_s": (stamps[-1] - stamps[0]) / (len(stamps) - 1) if len(stamps) > 1 else 0.0,
+            "kv_bytes_final": kv,
+        }

@@ -21,13 +21,14 @@ def log(message: str) -> None:
     print(f"[demo] {message}", file=sys.stderr, flush=True)
 
 
-def run_demo(model: str, method: str, tokens: int, dtype: str, as_json: bool) -> dict:
-    split_spec(method)
+def run_demo(model: str, methods: list[str], tokens: int, dtype: str, as_json: bool) -> dict:
+    for method in methods:
+        split_spec(method)
     log(f"loading {model} (the first run converts the GGUF once, ~20 s)")
     loaded = load_model(model, dtype=dtype)
     engine = Engine(loaded)
-    specs = ["full", make_policy(method, loaded.shape).spec()]
-    document = plant(haystack_text(loaded.tokenizer, tokens), FACT, depth=0.4)
+    specs = list(dict.fromkeys(["full"] + [make_policy(m, loaded.shape).spec() for m in methods]))
+    document = plant(haystack_text(loaded.tokenizer, tokens, split="eval"), FACT, depth=0.4)
     prompt = f"{document}\n\n{QUESTION}"
     sampling = SamplingParams(max_new_tokens=32)
     log("warming up")

@@ -1,16 +1,10 @@
-"""The decoder loop: layer-major prefill driven by a method's policy, batched decode steps,
-sampling, streaming.
-
-Prefill runs one layer at a time over the rows of the residual stream that the policy says
-are computed there (SPEED drops its shallow tokens at `lcut`; nothing is computed for them
-above it). Within a layer, rows go through in chunks of `chunk_size` queries, so activation
-memory does not grow with the prompt and attention never materialises an N x N matrix.
-Each layer's K/V is written straight into that layer's cache buffer, which is sized for the
-entries the layer keeps plus the tokens still to be generated.
+"""The engine: prefill (see prefill.py) and batched decode steps under a method's policy,
+sampling, streaming and continuous batching.
 
 Decode steps batch every running sequence through the projections and MLPs together; each
-sequence attends over its own cache, so sequences of different lengths and different methods
-share a step.
+sequence attends over its own layer-asymmetric cache, so sequences of different lengths and
+different methods share a step. `Batch` lets requests join after their prefill and leave
+between steps; `Engine.run` and `Engine.generate` are built on it.
 """
 
 from __future__ import annotations
@@ -22,11 +16,13 @@ from dataclasses import dataclass, field
 
 import torch
 
-from .attention import decode_attention, prefill_attention
-from .cache import KVCache, LayerKV
+from .attention import decode_attention
+from .cache import KVCache
 from .errors import UserError
+from .flops import decode_flops, prefill_flops
 from .models import LoadedModel
-from .policy import Policy, PromptInfo, Stream, make_policy
+from .policy import Policy, PromptInfo, make_policy
+from .prefill import Prefill, PrefillRun
 from .sampling import Sampler, SamplingParams
 from .textio import Detokenizer, encode_prompt, find_stop
 
@@ -56,13 +52,16 @@ class Generation:
     kv_bytes_final: int  # KV held when generation ends
     kv_allocated_bytes: int  # buffers that existed, including room reserved for decode
     layer_lengths: list[int]  # cache entries per layer when the first token is produced
+    flops_prefill: int  # analytic: layer-token matmuls plus attention over what was computed
+    flops_decode: int  # the same for every decode step, summed
 
 
 @dataclass
 class TokenEvent:
-    """One new token of request `index`; `text` is the printable delta (may be empty)."""
+    """One new token of the request with key `key`; `text` is the printable delta (may be
+    empty)."""
 
-    index: int
+    key: object
     token_id: int
     text: str
     finished: Generation | None = None  # set on the request's last event
@@ -71,8 +70,9 @@ class TokenEvent:
 class _Sequence:
     """A running request: its cache, sampler and bookkeeping."""
 
-    def __init__(self, index: int, request: Request, policy: Policy, tokenizer, t0: float):
-        self.index = index
+    def __init__(self, key: object, request: Request, policy: Policy, tokenizer, t0: float, shape):
+        self.key = key
+        self.shape = shape
         self.request = request
         self.policy = policy
         self.sampler = Sampler(request.sampling)
@@ -85,11 +85,13 @@ class _Sequence:
         self.t_first = self.t_last = 0.0
         self.kv_first = 0
         self.lengths_first: list[int] = []
+        self.flops_prefill = 0
+        self.first_position = len(request.ids)
 
     @property
     def next_pos(self) -> int:
         """Absolute position of the last sampled token, the next one to feed."""
-        return len(self.request.ids) + len(self.output) - 1
+        return self.first_position + len(self.output) - 1
 
     def result(self) -> Generation:
         steps = len(self.output) - 1
@@ -105,16 +107,21 @@ class _Sequence:
             kv_bytes_final=self.cache.nbytes(),
             kv_allocated_bytes=self.cache.allocated_bytes(),
             layer_lengths=self.lengths_first,
+            flops_prefill=self.flops_prefill,
+            flops_decode=decode_flops(self.shape, self.cache.decode_reads(), steps),
         )
 
 
 class Engine:
     """Runs prefill and decode for a loaded model under any registered method."""
 
-    def __init__(self, model: LoadedModel, chunk_size: int = 1024):
+    def __init__(self, model: LoadedModel, chunk_size: int = 1024, depth: int | None = None):
         self.model = model
         self.backbone = model.backbone
         self.shape = model.shape
+        # depth < L runs only the first layers, then the final norm and head (an early-exit
+        # speculator made of the model itself)
+        self.depth = depth or model.shape.num_layers
         self.tokenizer = model.tokenizer
         self.chunk_size = chunk_size
         self.eos_ids = model.eos_token_ids()
@@ -122,6 +129,11 @@ class Engine:
     @property
     def device(self) -> torch.device:
         return self.backbone.device
+
+    def with_depth(self, depth: int) -> Engine:
+        """The same model cut after its first `depth` layers (final norm and head on top):
+        an early-exit probe or speculator that shares every weight."""
+        return Engine(self.model, self.chunk_size, depth)
 
     # -- the two phases ----------------------------------------------------------------------
     @torch.inference_mode()
@@ -131,76 +143,63 @@ class Engine:
         policy: Policy,
         spare: int = 0,
         header_tokens: int | None = None,
-    ) -> tuple[KVCache, torch.Tensor]:
-        """Run the prompt under `policy`; return its cache and the last position's logits.
-
-        `spare` reserves room in every layer for that many decode-phase tokens.
-        """
+    ) -> Prefill:
+        """Run the prompt under `policy`: its cache, the last computed position's logits, and
+        the work done. `spare` reserves room in every layer for that many decode tokens."""
         ids = torch.as_tensor(ids, dtype=torch.long, device=self.device).flatten()
-        n = ids.numel()
-        policy.begin(PromptInfo(ids, header_tokens))
-        pos = torch.arange(n, device=self.device)
-        h = self.backbone.embed(ids)
-        layers = []
-        for layer in range(self.shape.num_layers):
-            rows = policy.computed(layer, Stream(h, pos))
-            if rows is not None:
-                h, pos = h[rows], pos[rows]
-            h, kv = self._prefill_layer(layer, h, pos, policy, spare)
-            layers.append(kv)
-        if pos.numel() == 0 or int(pos[-1]) != n - 1:
-            raise RuntimeError(
-                f"method {policy.spec()} did not run the last prompt token to the top"
+        prompt = PromptInfo(ids, header_tokens)
+        next_position = prompt.n
+        selection = policy.select_prompt(prompt, self)
+        if selection is not None:
+            prompt = PromptInfo(
+                ids[selection.indices.to(self.device)],
+                header_tokens,
+                selection.positions.to(self.device),
+                prompt.n,
             )
-        logits = self.backbone.logits(self.backbone.final_norm(h[-1:]))[0]
-        return KVCache(layers), logits
-
-    def _prefill_layer(
-        self, layer: int, h: torch.Tensor, pos: torch.Tensor, policy: Policy, spare: int
-    ) -> tuple[torch.Tensor, LayerKV]:
-        bb, shape = self.backbone, self.shape
-        rows = h.shape[0]
-        kv = LayerKV(shape.num_kv_heads, rows + spare, shape.head_dim, bb.dtype, self.device)
-        cos, sin = bb.rope(pos)
-        out = torch.empty_like(h)
-        for start in range(0, rows, self.chunk_size):
-            end = min(start + self.chunk_size, rows)
-            x = bb.input_norm(layer, h[start:end])
-            q, k, v = bb.qkv(layer, x, cos[start:end], sin[start:end])
-            kv.extend(k, v, pos[start:end])
-            mask = policy.visible(layer, pos[start:end], pos[:end])
-            if mask is not None:
-                mask = mask & (pos[None, :end] <= pos[start:end, None])
-            o = prefill_attention(q, kv.k[:, :end], kv.v[:, :end], mask)
-            out[start:end] = bb.mlp_block(layer, h[start:end] + bb.attn_out(layer, o))
-        keep = policy.kept(layer, pos)
-        if keep is not None:
-            kv.keep(keep.nonzero()[:, 0] if keep.dtype == torch.bool else keep)
-        return out, kv
+            next_position = selection.next_position
+        policy.begin(prompt)
+        run = PrefillRun(self.backbone, policy, self.depth, self.chunk_size, spare)
+        return run.run(prompt, next_position)
 
     @torch.inference_mode()
     def decode_step(
         self, caches: list[KVCache], policies: list[Policy], tokens: list[int], positions: list[int]
     ) -> torch.Tensor:
-        """Feed one token per sequence through every layer; return logits [B, vocab]."""
+        """Feed one token per sequence through every layer; return logits [B, vocab].
+
+        Projections and MLPs run batched; each sequence attends over its own cache, so
+        sequences of different lengths and methods share a step.
+        """
         bb = self.backbone
-        batch = len(tokens)
         h = bb.embed(torch.tensor(tokens, device=self.device))[:, None, :]  # [B, 1, H]
-        pos = torch.tensor(positions, device=self.device)
-        cos, sin = bb.rope(pos)
+        cos, sin = bb.rope(torch.tensor(positions, device=self.device))
         cos, sin = cos[:, None, None, :], sin[:, None, None, :]
-        for layer in range(self.shape.num_layers):
+        plans = [decode_plan(p, self.depth) for p in policies]
+        sources = {ki[0] for plan in plans for _, ki, _ in plan if ki is not None}
+        saved: dict[int, torch.Tensor] = {}
+        for layer in range(self.depth):
+            if layer in sources:
+                saved[layer] = h
             q, k, v = bb.qkv(layer, bb.input_norm(layer, h), cos, sin)  # [B, heads, 1, D]
             outs = []
-            for b in range(batch):
+            for b, plan in enumerate(plans):
+                owner, kv_input, keep = plan[layer]
                 kv = caches[b].layers[layer]
-                kv.write_next(k[b], v[b], positions[b])
-                live = kv.length + 1
+                live = kv.length
+                if owner == layer:
+                    kb, vb = k[b], v[b]
+                    if kv_input is not None:  # K/V from an earlier layer's residual (SwiftKV)
+                        x = bb.input_norm(kv_input[1], saved[kv_input[0]][b])
+                        kb, vb = bb.kv(layer, x, cos[b], sin[b])
+                    kv.write_next(kb, vb, positions[b])
+                    live += 1
+                kv.reads += live
                 outs.append(decode_attention(q[b], kv.k[:, :live], kv.v[:, :live]))
-                if policies[b].keeps_decode_kv(layer):
+                if owner == layer and keep:
                     kv.commit()
-            o = torch.stack(outs)
-            h = bb.mlp_block(layer, h + bb.attn_out(layer, o))
+                policies[b].after_decode(layer, q[b], kv)
+            h = bb.mlp_block(layer, h + bb.attn_out(layer, torch.stack(outs)))
         return bb.logits(bb.final_norm(h[:, -1]))
 
     # -- generation --------------------------------------------------------------------------
@@ -209,36 +208,20 @@ class Engine:
 
         Prompts are prefilled one after another; their decode steps then run as one batch.
         """
-        t0 = time.perf_counter()
+        start = time.perf_counter()  # every TTFT counts from the call
         for request in requests:
             self.check_request(request)
-        running: list[_Sequence] = []
+        batch = Batch(self)
         for index, request in enumerate(requests):
-            seq = _Sequence(index, request, copy.copy(request.policy), self.tokenizer, t0)
-            seq.cache, logits = self.prefill(
-                request.ids, seq.policy, request.sampling.max_new_tokens - 1, request.header_tokens
-            )
-            seq.kv_first = seq.cache.nbytes()
-            seq.lengths_first = seq.cache.lengths()
-            yield from self._accept(seq, seq.sampler(logits), first=True)
-            if seq.finish_reason is None:
-                running.append(seq)
-        while running:
-            logits = self.decode_step(
-                [s.cache for s in running],
-                [s.policy for s in running],
-                [s.output[-1] for s in running],
-                [s.next_pos for s in running],
-            )
-            for seq, row in zip(running, logits, strict=False):
-                yield from self._accept(seq, seq.sampler(row), first=False)
-            running = [s for s in running if s.finish_reason is None]
+            yield from batch.add(index, request, since=start)
+        while batch:
+            yield from batch.step()
 
     def generate(self, requests: list[Request]) -> list[Generation]:
         results: list[Generation | None] = [None] * len(requests)
         for event in self.run(requests):
             if event.finished is not None:
-                results[event.index] = event.finished
+                results[event.key] = event.finished
         return results  # type: ignore[return-value]
 
     def check_request(self, request: Request) -> None:
@@ -251,29 +234,6 @@ class Engine:
                 f"the prompt has {n} tokens, more than the model's context of "
                 f"{self.shape.max_positions}"
             )
-
-    def _accept(self, seq: _Sequence, token: int, first: bool) -> Iterator[TokenEvent]:
-        now = time.perf_counter() - seq.t0
-        if first:
-            seq.t_first = now
-        seq.t_last = now
-        seq.output.append(token)
-        params = seq.request.sampling
-        delta = ""
-        if seq.detok is not None and token not in self.eos_ids:
-            delta = seq.detok.push(token)
-            before = len(seq.text)
-            seq.text += delta
-            at = find_stop(seq.text, params.stop, before) if params.stop else None
-            if at is not None:
-                delta = seq.text[before:at] if at > before else ""
-                seq.text = seq.text[:at]
-                seq.finish_reason = "stop"
-        if token in self.eos_ids and not params.ignore_eos:
-            seq.finish_reason = "stop"
-        elif seq.finish_reason is None and len(seq.output) >= params.max_new_tokens:
-            seq.finish_reason = "length"
-        yield TokenEvent(seq.index, token, delta, seq.result() if seq.finish_reason else None)
 
     # -- text conveniences -----------------------------------------------------------------
     def request(
@@ -295,3 +255,98 @@ class Engine:
     ) -> Generation:
         req = self.request(prompt, method, chat, SamplingParams(**sampling))
         return self.generate([req])[0]
+
+
+class Batch:
+    """Sequences decoding together. Requests join after their prefill and leave when they
+    finish or are cancelled, between steps (continuous batching); each keeps its own cache,
+    which is freed when it leaves."""
+
+    def __init__(self, engine: Engine):
+        self.engine = engine
+        self.running: dict[object, _Sequence] = {}
+
+    def __len__(self) -> int:
+        return len(self.running)
+
+    def add(self, key: object, request: Request, since: float | None = None) -> list[TokenEvent]:
+        """Prefill a request and sample its first token; it decodes from the next step on.
+
+        TTFT counts from `since` (a time.perf_counter() value, e.g. the request's arrival),
+        or from now."""
+        engine = self.engine
+        t0 = time.perf_counter() if since is None else since
+        seq = _Sequence(key, request, copy.copy(request.policy), engine.tokenizer, t0, engine.shape)
+        done = engine.prefill(
+            request.ids, seq.policy, request.sampling.max_new_tokens - 1, request.header_tokens
+        )
+        seq.cache, seq.first_position = done.cache, done.next_position
+        seq.flops_prefill = prefill_flops(engine.shape, done.rows, done.pairs)
+        seq.kv_first = seq.cache.nbytes()
+        seq.lengths_first = seq.cache.lengths()
+        event = self._accept(seq, seq.sampler(done.logits), first=True)
+        if seq.finish_reason is None:
+            self.running[key] = seq
+        return [event]
+
+    def step(self) -> list[TokenEvent]:
+        """One decode step for every running sequence."""
+        seqs = list(self.running.values())
+        if not seqs:
+            return []
+        logits = self.engine.decode_step(
+            [s.cache for s in seqs],
+            [s.policy for s in seqs],
+            [s.output[-1] for s in seqs],
+            [s.next_pos for s in seqs],
+        )
+        events = [
+            self._accept(seq, seq.sampler(row), first=False) for seq, row in zip(seqs, logits)
+        ]
+        for seq in seqs:
+            if seq.finish_reason is not None:
+                del self.running[seq.key]
+        return events
+
+    def cancel(self, key: object) -> None:
+        """Drop a sequence (its cache goes with it)."""
+        self.running.pop(key, None)
+
+    def kv_bytes(self) -> int:
+        return sum(seq.cache.nbytes() for seq in self.running.values())
+
+    def _accept(self, seq: _Sequence, token: int, first: bool) -> TokenEvent:
+        now = time.perf_counter() - seq.t0
+        if first:
+            seq.t_first = now
+        seq.t_last = now
+        seq.output.append(token)
+        params = seq.request.sampling
+        eos = token in self.engine.eos_ids
+        delta = ""
+        if seq.detok is not None and not eos:
+            delta = seq.detok.push(token)
+            before = len(seq.text)
+            seq.text += delta
+            at = find_stop(seq.text, params.stop, before) if params.stop else None
+            if at is not None:
+                delta = seq.text[before:at] if at > before else ""
+                seq.text = seq.text[:at]
+                seq.finish_reason = "stop"
+        if eos and not params.ignore_eos:
+            seq.finish_reason = "stop"
+        elif seq.finish_reason is None and len(seq.output) >= params.max_new_tokens:
+            seq.finish_reason = "length"
+        return TokenEvent(seq.key, token, delta, seq.result() if seq.finish_reason else None)
+
+
+def decode_plan(policy: Policy, depth: int) -> list[tuple[int, tuple[int, int] | None, bool]]:
+    """Per layer: (cache owner, K/V input, keeps decode K/V); fixed for a policy, so cached."""
+    plan = getattr(policy, "_decode_plan", None)
+    if plan is None or len(plan) != depth:
+        plan = [
+            (policy.kv_owner(layer), policy.kv_input(layer), policy.keeps_decode_kv(layer))
+            for layer in range(depth)
+        ]
+        policy._decode_plan = plan
+    return plan

@@ -6,6 +6,7 @@ never imported (it pins old versions of many libraries).
 
 from __future__ import annotations
 
+import hashlib
 import importlib.util
 import re
 from functools import lru_cache
@@ -47,23 +48,42 @@ def sentences(text: str) -> list[str]:
     return [s for s in _SENTENCE_END.split(text) if s]
 
 
-def haystack_text(tokenizer, tokens: int, names: list[str] | None = None) -> str:
-    """Essay text of about `tokens` tokens (whole sentences, essays in order)."""
+SPLITS = ("train", "eval", "calib")
+
+
+def split_of(name: str) -> str:
+    """Which split an essay belongs to, fixed by a hash of its name (not by its content):
+    about 1/7 of the text for evaluation, 1/7 for calibration and diagnostics, the rest for
+    training. Evaluation haystacks never contain training text."""
+    bucket = int(hashlib.sha1(name.encode()).hexdigest(), 16) % 7
+    return {0: "eval", 4: "calib"}.get(bucket, "train")
+
+
+def split_names(split: str) -> list[str]:
+    if split not in SPLITS:
+        raise UserError(f"unknown essay split '{split}'; splits: {', '.join(SPLITS)}")
+    return [name for name in essays() if split_of(name) == split]
+
+
+def haystack_text(
+    tokenizer, tokens: int, names: list[str] | None = None, split: str | None = None, start: int = 0
+) -> str:
+    """Essay text of about `tokens` tokens: whole sentences of the chosen essays (all, a list,
+    or a split) in order, beginning at sentence `start` and wrapping around."""
+    if split is not None:
+        names = split_names(split)
     chosen = essays() if names is None else {n: essays()[n] for n in names}
+    pool = [s for text in chosen.values() for s in sentences(text)]
     out: list[str] = []
     count = 0
-    for text in chosen.values():
-        for sentence in sentences(text):
-            n = len(tokenizer(" " + sentence, add_special_tokens=False)["input_ids"])
-            if count + n > tokens and out:
-                return " ".join(out)
-            out.append(sentence)
-            count += n
-    if count < tokens:
-        raise UserError(
-            f"the essays hold only about {count} tokens, fewer than the {tokens} asked for"
-        )
-    return " ".join(out)
+    for step in range(len(pool)):
+        sentence = pool[(start + step) % len(pool)]
+        n = len(tokenizer(" " + sentence, add_special_tokens=False)["input_ids"])
+        if count + n > tokens and out:
+            return " ".join(out)
+        out.append(sentence)
+        count += n
+    raise UserError(f"the chosen essays hold only about {count} tokens, fewer than {tokens}")
 
 
 def plant(text: str, fact: str, depth: float) -> str:

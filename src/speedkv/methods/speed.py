@@ -24,7 +24,7 @@ from dataclasses import dataclass
 import torch
 
 from ..errors import UserError
-from ..policy import Policy, PromptInfo, Stream, register
+from ..policy import LayerView, Policy, PromptInfo, Stream, register
 
 
 @register
@@ -83,10 +83,11 @@ class Speed(Policy):
         q_anchor = q_pos[:, None] < self.num_anchors
         return q_anchor | (k_pos[None, :] == q_pos[:, None]) | (k_pos[None, :] < self.num_anchors)
 
-    def kept(self, layer: int, k_pos: torch.Tensor) -> torch.Tensor | None:
+    def kept(self, layer: int, view: LayerView) -> torch.Tensor | None:
         if not self.config.selfonly or layer < self.lcut:
             return None
-        return k_pos < self.num_anchors  # nobody will ever read an upper deep token's K/V
+        # nobody will ever read an upper deep token's K/V
+        return view.kv.positions()[0] < self.num_anchors
 
     def keeps_decode_kv(self, layer: int) -> bool:
         return not (self.config.selfonly and layer >= self.lcut)

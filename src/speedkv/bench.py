@@ -1,0 +1,381 @@
+"""`speedkv bench`: TTFT, TPOT, KV memory, peak RSS and FLOPs of methods across prompt lengths.
+
+Every cell (method x length) is measured `repeats` times after one warm-up; within each repeat
+all methods run back to back on the same prompt, so machine noise hits them alike, and every
+ratio is taken against `full` from the same repeat. Raw runs go to `runs.jsonl` as they finish,
+so an interrupted sweep resumes where it stopped (`--resume`).
+"""
+
+from __future__ import annotations
+
+import csv
+import json
+import platform
+import statistics
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import torch
+from tqdm import tqdm
+
+from .engine import Engine, Request
+from .errors import UserError
+from .haystack import haystack_text
+from .memory import peak_rss_bytes, reset_peak_rss
+from .models import LoadedModel
+from .policy import make_policy
+from .sampling import SamplingParams
+
+HF = "hf"  # pseudo-method: the model's own `generate`, as a baseline for our `full` loop
+METRICS = (
+    "ttft_s",
+    "tpot_s",
+    "kv_bytes",
+    "kv_bytes_final",
+    "peak_rss_bytes",
+    "flops_prefill",
+    "flops_decode",
+)
+RATIOS = {
+    "ttft_s": "ttft_ratio",
+    "tpot_s": "tpot_ratio",
+    "kv_bytes": "kv_ratio",
+    "kv_bytes_final": "kv_final_ratio",
+    "peak_rss_bytes": "rss_ratio",
+    "flops_prefill": "flops_prefill_ratio",
+    "flops_decode": "flops_decode_ratio",
+}
+
+
+@dataclass
+class BenchConfig:
+    model: str
+    methods: list[str]
+    lengths: list[int]
+    new_tokens: int = 128
+    repeats: int = 5
+    dtype: str = "auto"
+    warmup_tokens: int = 4
+    extra: dict = field(default_factory=dict)
+
+
+def parse_lengths(text: str) -> list[int]:
+    try:
+        lengths = [int(x) for x in text.split(",") if x.strip()]
+    except ValueError as err:
+        raise UserError(f"lengths must be comma-separated token counts, got '{text}'") from err
+    if not lengths or any(n < 16 for n in lengths):
+        raise UserError(f"lengths must be token counts of at least 16, got '{text}'")
+    return lengths
+
+
+def parse_methods(text: str) -> list[str]:
+    methods = [m.strip() for m in text.split(";") if m.strip()]
+    if not methods:
+        raise UserError("give at least one method, e.g. --methods 'full;speed:lcut=22,anchors=bos'")
+    return methods
+
+
+def bench_prompt(tokenizer, length: int) -> list[int]:
+    """Exactly `length` ids: the chat template around essay text, so position 0 is the
+    template's first token (the BoS anchor) and the prompt ends with the generation header."""
+    marker = "\u0000"
+    templated = tokenizer.apply_chat_template(
+        [{"role": "user", "content": marker}], tokenize=False, add_generation_prompt=True
+    )
+    before, _, after = templated.partition(marker)
+    head = tokenizer(before, add_special_tokens=False)["input_ids"]
+    tail = tokenizer(after, add_special_tokens=False)["input_ids"]
+    body_len = length - len(head) - len(tail)
+    if body_len < 1:
+        raise UserError(
+            f"length {length} is too short for the chat template ({len(head) + len(tail)} tokens)"
+        )
+    body = tokenizer(haystack_text(tokenizer, body_len + 64), add_special_tokens=False)["input_ids"]
+    return head + body[:body_len] + tail
+
+
+def machine_facts() -> dict:
+    cpu = "unknown"
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                cpu = line.split(":", 1)[1].strip()
+                break
+    except OSError:
+        pass
+    import transformers
+
+    return {
+        "cpu": cpu,
+        "threads": torch.get_num_threads(),
+        "python": platform.python_version(),
+        "torch": torch.__version__,
+        "transformers": transformers.__version__,
+        "cuda": torch.cuda.get_device_name() if torch.cuda.is_available() else None,
+        "platform": platform.platform(),
+    }
+
+
+class Bench:
+    def __init__(self, model: LoadedModel, config: BenchConfig, out: Path):
+        self.model, self.config, self.out = model, config, out
+        self.engine = Engine(model)
+        methods = list(dict.fromkeys(config.methods))
+        if "full" not in methods:
+            methods.insert(0, "full")  # every ratio is taken against full
+        self.policies = {m: make_policy(m, model.shape) for m in methods if m != HF}
+        self.methods = [HF if m == HF else self.policies[m].spec() for m in methods]
+        self.policies = {p.spec(): p for p in self.policies.values()}
+        too_long = [n for n in config.lengths if n > model.shape.max_positions]
+        if too_long:
+            raise UserError(
+                f"length {too_long[0]} is longer than the model's context of "
+                f"{model.shape.max_positions} tokens"
+            )
+        if config.repeats < 1:
+            raise UserError(f"repeats must be at least 1, got {config.repeats}")
+        if config.new_tokens < 2:
+            raise UserError(
+                f"new-tokens must be at least 2 (TPOT needs two), got {config.new_tokens}"
+            )
+
+    # -- one measurement -------------------------------------------------------------------
+    def measure(self, method: str, ids: list[int], new_tokens: int) -> dict:
+        reset_peak_rss()
+        if method == HF:
+            r = self.model.backbone.hf_generate_timed(
+                torch.tensor([ids], device=self.engine.device), new_tokens
+            )
+            per = self.model.shape.kv_bytes_per_token_layer(self.model.dtype)
+            row = {
+                "ttft_s": r["ttft_s"],
+                "tpot_s": r["tpot_s"],
+                "kv_bytes": len(ids) * self.model.shape.num_layers * per,
+                "kv_bytes_final": r["kv_bytes_final"],
+                "flops_prefill": None,
+                "flops_decode": None,
+                "output_ids": r["output_ids"],
+            }
+        else:
+            sampling = SamplingParams(max_new_tokens=new_tokens, ignore_eos=True)
+            g = self.engine.generate([Request(ids, self.policies[method], sampling)])[0]
+            row = {
+                k: getattr(g, k)
+                for k in (
+                    "ttft_s",
+                    "tpot_s",
+                    "kv_bytes",
+                    "kv_bytes_final",
+                    "flops_prefill",
+                    "flops_decode",
+                    "output_ids",
+                )
+            }
+        row["peak_rss_bytes"] = peak_rss_bytes()
+        return row
+
+    # -- the sweep ----------------------------------------------------------------------------
+    def run(self, resume: bool, progress: bool = True) -> dict:
+        cfg = self.config
+        self.out.mkdir(parents=True, exist_ok=True)
+        runs_path = self.out / "runs.jsonl"
+        header = {
+            "model": cfg.model,
+            "dtype": str(self.model.dtype).replace("torch.", ""),
+            "new_tokens": cfg.new_tokens,
+        }
+        runs = self._load_runs(runs_path, header) if resume else []
+        if not resume:
+            runs_path.write_text(json.dumps({"header": header}) + "\n")
+        done = {(r["repeat"], r["length"], r["method"]) for r in runs}
+        prompts = {n: bench_prompt(self.model.tokenizer, n) for n in cfg.lengths}
+        todo = [
+            (rep, n, m)
+            for rep in range(cfg.repeats)
+            for n in cfg.lengths
+            for m in self.methods
+            if (rep, n, m) not in done
+        ]
+        warm = sorted({(n, m) for _, n, m in todo})
+        bar = tqdm(
+            total=len(warm) + len(todo),
+            disable=not progress,
+            unit="run",
+            desc="bench",
+            dynamic_ncols=True,
+        )
+        for n, m in warm:
+            bar.set_postfix_str(f"warm-up {m} @ {n}")
+            self.measure(m, prompts[n], cfg.warmup_tokens)
+            bar.update()
+        with runs_path.open("a") as sink:
+            for rep, n, m in todo:
+                bar.set_postfix_str(f"repeat {rep + 1}/{cfg.repeats} {m} @ {n}")
+                row = {
+                    "repeat": rep,
+                    "length": n,
+                    "method": m,
+                    **self.measure(m, prompts[n], cfg.new_tokens),
+                }
+                sink.write(json.dumps(row) + "\n")
+                sink.flush()
+                runs.append(row)
+                bar.update()
+        bar.close()
+        return self.summarise(runs)
+
+    def _load_runs(self, path: Path, header: dict) -> list[dict]:
+        if not path.exists():
+            path.write_text(json.dumps({"header": header}) + "\n")
+            return []
+        lines = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+        if not lines or lines[0].get("header") != header:
+            found = lines[0].get("header") if lines else "none"
+            raise UserError(
+                f"{path} was measured with other settings ({found}); "
+                "use another --out or the same model, dtype and new-tokens"
+            )
+        return [
+            r
+            for r in lines[1:]
+            if r["method"] in self.methods and r["length"] in self.config.lengths
+        ]
+
+    # -- results ----------------------------------------------------------------------------
+    def summarise(self, runs: list[dict]) -> dict:
+        by_key: dict[tuple[int, int, str], dict] = {
+            (r["repeat"], r["length"], r["method"]): r for r in runs
+        }
+        cells = []
+        for n in self.config.lengths:
+            for m in self.methods:
+                mine = [
+                    r
+                    for (rep, length, meth), r in sorted(by_key.items())
+                    if length == n and meth == m
+                ]
+                if not mine:
+                    continue
+                cell = {"method": m, "length": n, "repeats": len(mine)}
+                for metric in METRICS:
+                    values = [r[metric] for r in mine if r[metric] is not None]
+                    cell[metric] = statistics.median(values) if values else None
+                    cell[metric + "_min"] = min(values) if values else None
+                    cell[metric + "_max"] = max(values) if values else None
+                    ratios = [
+                        r[metric] / by_key[(r["repeat"], n, "full")][metric]
+                        for r in mine
+                        if r[metric] is not None
+                        and (r["repeat"], n, "full") in by_key
+                        and by_key[(r["repeat"], n, "full")][metric]
+                    ]
+                    cell[RATIOS[metric]] = statistics.median(ratios) if ratios else None
+                cell["same_tokens_as_full"] = all(
+                    r["output_ids"] == by_key[(r["repeat"], n, "full")]["output_ids"]
+                    for r in mine
+                    if (r["repeat"], n, "full") in by_key
+                )
+                cells.append(cell)
+        result = {
+            "config": asdict(self.config),
+            "methods": self.methods,
+            "dtype": str(self.model.dtype).replace("torch.", ""),
+            "machine": machine_facts(),
+            "date": time.strftime("%Y-%m-%d %H:%M:%S"),
+            "cells": cells,
+        }
+        write_outputs(result, self.out)
+        return result
+
+
+def write_outputs(result: dict, out: Path) -> None:
+    (out / "results.json").write_text(json.dumps(result, indent=2))
+    cells = result["cells"]
+    columns = ["method", "length", "repeats"] + [
+        k for k in cells[0] if k not in ("method", "length", "repeats")
+    ]
+    with (out / "results.csv").open("w", newline="") as f:
+        writer = csv.DictWriter(f, fieldnames=columns)
+        writer.writeheader()
+        writer.writerows(cells)
+    (out / "table.md").write_text(markdown_table(result))
+    plot(result, out)
+
+
+def markdown_table(result: dict) -> str:
+    lines = [
+        "| method | length | TTFT s | TPOT ms | KV MiB | peak RSS GiB | TTFT x | TPOT x | KV x |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|---:|",
+    ]
+
+    def fmt(value, spec):
+        return "–" if value is None else format(value, spec)
+
+    for c in result["cells"]:
+        lines.append(
+            f"| `{c['method']}` | {c['length']} | {fmt(c['ttft_s'], '.3f')} | "
+            f"{fmt(c['tpot_s'] and c['tpot_s'] * 1e3, '.1f')} | "
+            f"{fmt(c['kv_bytes'] / 2**20, '.2f')} | "
+            f"{fmt(c['peak_rss_bytes'] / 2**30, '.2f')} | {fmt(c['ttft_ratio'], '.3f')} | "
+            f"{fmt(c['tpot_ratio'], '.3f')} | {fmt(c['kv_ratio'], '.3f')} |"
+        )
+    return "\n".join(lines) + "\n"
+
+
+def plot(result: dict, out: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    panels = [
+        ("ttft_s", "TTFT (s)", 1.0),
+        ("tpot_s", "TPOT (ms)", 1e3),
+        ("kv_bytes", "KV at first token (MiB)", 2**-20),
+    ]
+    fig, axes = plt.subplots(1, 3, figsize=(15, 4.2))
+    for ax, (metric, label, scale) in zip(axes, panels):
+        for method in result["methods"]:
+            cells = [c for c in result["cells"] if c["method"] == method and c[metric] is not None]
+            if not cells:
+                continue
+            x = [c["length"] for c in cells]
+            y = [c[metric] * scale for c in cells]
+            err = [
+                [(c[metric] - c[metric + "_min"]) * scale for c in cells],
+                [(c[metric + "_max"] - c[metric]) * scale for c in cells],
+            ]
+            ax.errorbar(x, y, yerr=err, marker="o", capsize=3, label=method)
+        ax.set_xscale("log", base=2)
+        ax.set_xlabel("prompt tokens")
+        ax.set_ylabel(label)
+        ax.grid(alpha=0.3)
+    axes[0].legend(fontsize=7)
+    fig.suptitle(
+        f"{result['config']['model']} ({result['dtype']}), medians of "
+        f"{result['config']['repeats']} repeats, min-max bars"
+    )
+    fig.tight_layout()
+    fig.savefig(out / "efficiency.png", dpi=120)
+    for metric, label, scale in panels:
+        f2, ax = plt.subplots(figsize=(6, 4.2))
+        for method in result["methods"]:
+            cells = [c for c in result["cells"] if c["method"] == method and c[metric] is not None]
+            if cells:
+                ax.plot(
+                    [c["length"] for c in cells],
+                    [c[metric] * scale for c in cells],
+                    marker="o",
+                    label=method,
+                )
+        ax.set_xscale("log", base=2)
+        ax.set_xlabel("prompt tokens")
+        ax.set_ylabel(label)
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=7)
+        f2.tight_layout()
+        f2.savefig(out / f"{metric.split('_')[0]}.png", dpi=120)
+        plt.close(f2)
+    plt.close(fig)

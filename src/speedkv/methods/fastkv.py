@@ -1,0 +1,118 @@
+"""FastKV (Jo et al.): Token-Selective Propagation plus decoupled, per-KV-head KV retention.
+
+Scores, in any layer: the last `window` prompt queries attend (float32 softmax, causal inside
+the window) to every key; per token, sum over those queries, then 1-D pool along tokens
+(`pool`, `kernel`). Grouped-query heads are summed per KV head.
+
+- KV retention, every layer, prefill only: each KV head keeps its top `C - window` earlier
+  entries plus the last `window`; `C = retain * n` of the layer's entries (no compression when
+  the layer holds fewer than C). Prefill attention itself uses the layer's uncompressed K/V.
+- TSP at `tsp_layer`: scores summed over KV heads pick the top `T - window` tokens plus the
+  last `window` (`T = tsp_rate * N`); later layers run only on those tokens, at their original
+  positions. Those layers retain `retain / tsp_rate` of their reduced length, so every layer
+  ends near `retain * N` entries.
+
+`retain` and `tsp_rate` are fractions in (0, 1] or whole token counts. Defaults are the
+authors' (window 8, kernel 7, max-pool, TSP rate 0.2, retain 0.1); `tsp_layer` defaults to
+their 15 of 32 layers scaled by depth (14 of 30 for SmolLM2). The paper's TSP-layer
+selection is `speedkv calibrate-tsp`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from ..errors import UserError
+from ..policy import LayerView, Policy, PromptInfo, Stream, register
+from ..scoring import (
+    budget,
+    check_budget,
+    group_heads,
+    scaled_layer,
+    top_plus_window,
+    window_scores,
+)
+
+
+@register
+class FastKV(Policy):
+    name = "fastkv"
+
+    @dataclass
+    class Config:
+        tsp_layer: int | None = None
+        tsp_rate: float = 0.2
+        retain: float = 0.1
+        window: int = 8
+        kernel: int = 7
+        pool: str = "max"
+
+    def __init__(self, config: Config, shape):
+        super().__init__(config, shape)
+        layers = shape.num_layers
+        if config.tsp_layer is None:
+            config.tsp_layer = scaled_layer(15, layers)
+        if not 0 <= config.tsp_layer < layers:
+            raise UserError(f"tsp_layer must be between 0 and {layers - 1}, got {config.tsp_layer}")
+        check_budget(config.tsp_rate, "tsp_rate")
+        check_budget(config.retain, "retain")
+        if config.window < 1 or config.kernel < 1:
+            raise UserError("window and kernel must be at least 1")
+        if config.pool not in ("max", "avg"):
+            raise UserError(f"pool must be 'max' or 'avg', got '{config.pool}'")
+        self.n = 0
+        self.selected: torch.Tensor | None = None
+        self.scores: torch.Tensor | None = None
+        self.kept_per_layer: list[int] = []
+
+    def begin(self, prompt: PromptInfo) -> None:
+        self.n, self.selected, self.kept_per_layer = prompt.n, None, []
+
+    def query_window(self, layer: int) -> int:
+        return self.config.window
+
+    def observe(self, layer: int, view: LayerView) -> None:
+        cfg = self.config
+        q, q_pos = view.queries()
+        n = view.kv.length
+        w = min(cfg.window, n)
+        self.scores = window_scores(
+            q, q_pos, view.kv.keys(), view.kv.positions()[0], w, cfg.kernel, cfg.pool
+        )  # [Hq, n - w]
+        if layer == cfg.tsp_layer:
+            keep = budget(cfg.tsp_rate, self.n, "tsp_rate")
+            if keep < n:
+                index = top_plus_window(self.scores.sum(0, keepdim=True), keep, n)[0]
+                self.selected = torch.zeros(n, dtype=torch.bool, device=q.device)
+                self.selected[index] = True
+
+    def computed(self, layer: int, stream: Stream) -> torch.Tensor | None:
+        if layer == self.config.tsp_layer + 1:
+            return self.selected
+        return None
+
+    def kept(self, layer: int, view: LayerView) -> torch.Tensor | None:
+        n = view.kv.length
+        keep = self.retained(layer, n)
+        self.kept_per_layer.append(min(keep, n))
+        if keep >= n:
+            return None
+        grouped = group_heads(self.scores, self.shape.num_kv_heads)
+        return top_plus_window(grouped, keep, n)
+
+    def retained(self, layer: int, n: int) -> int:
+        """Entries layer `layer` keeps out of its n."""
+        cfg = self.config
+        if cfg.retain > 1:
+            return min(int(cfg.retain), n)
+        if layer <= cfg.tsp_layer or self.selected is None:
+            return budget(cfg.retain, n, "retain")
+        if cfg.tsp_rate > 1:  # TSP kept a token count: retain the same share of the prompt
+            return min(n, int(self.n * cfg.retain))
+        return int(n * min(1.0, cfg.retain / cfg.tsp_rate))
+
+    def summary(self) -> dict:
+        tsp = int(self.selected.sum()) if self.selected is not None else self.n
+        return {"prompt_tokens": self.n, "tsp_tokens": tsp, "kept_per_layer": self.kept_per_layer}
