@@ -74,6 +74,10 @@ def test_unsupported_gguf_architecture(tmp_path, monkeypatch, capsys):
         (["generate", "hi", "--method", "snapkv:retain=0"], "retain must be a fraction"),
         (["generate", "hi", "--method", "gemfilter:filter_layer=30"], "between 0 and 29"),
         (["generate", "hi", "--method", "h2o:heavy=0.1,sink=4"], "has no option 'sink'"),
+        (["bench", "--lengths", "9000", "--repeats", "1"], "longer than the model's context"),
+        (["bench", "--repeats", "0"], "repeats must be at least 1"),
+        (["bench", "--methods", "full;nosuch"], "unknown method"),
+        (["bench", "--lengths", "1024,x"], "lengths must be"),
     ],
 )
 def test_bad_input_that_needs_the_model(args, message, smollm2, monkeypatch, capsys):

@@ -48,3 +48,11 @@ def test_seed_makes_sampling_repeatable():
 def test_out_of_range_values_are_rejected(kwargs, message):
     with pytest.raises(UserError, match=message):
         SamplingParams(**kwargs).validate()
+
+
+def test_extreme_values_stay_well_defined():
+    logits = torch.tensor([2.0, 1.0, 0.5])
+    # top_p below the likeliest token's mass still keeps that token
+    assert draws(SamplingParams(temperature=1.0, top_p=1e-300, seed=0), logits) == {0}
+    # a vanishing temperature is greedy rather than a division overflow
+    assert Sampler(SamplingParams(temperature=1e-30))(logits) == 0

@@ -13,7 +13,7 @@ import json
 import platform
 import statistics
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import torch
@@ -57,7 +57,7 @@ class BenchConfig:
     repeats: int = 5
     dtype: str = "auto"
     warmup_tokens: int = 4
-    extra: dict = field(default_factory=dict)
+    command: str = ""  # the command line that produced the results, for the report
 
 
 def parse_lengths(text: str) -> list[int]:
@@ -301,27 +301,56 @@ def write_outputs(result: dict, out: Path) -> None:
         writer.writeheader()
         writer.writerows(cells)
     (out / "table.md").write_text(markdown_table(result))
+    (out / "report.md").write_text(report_markdown(result))
     plot(result, out)
 
 
 def markdown_table(result: dict) -> str:
+    """Medians per cell, each ratio taken against full in the same repeat."""
     lines = [
-        "| method | length | TTFT s | TPOT ms | KV MiB | peak RSS GiB | TTFT x | TPOT x | KV x |",
-        "|---|---:|---:|---:|---:|---:|---:|---:|---:|",
+        "| method | tokens | TTFT s | TPOT ms | KV MiB | KV end MiB | peak RSS GiB "
+        "| TTFT x | TPOT x | KV x | FLOPs x |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
 
-    def fmt(value, spec):
-        return "–" if value is None else format(value, spec)
+    def fmt(value, spec, scale=1.0):
+        return "–" if value is None else format(value * scale, spec)
 
     for c in result["cells"]:
         lines.append(
             f"| `{c['method']}` | {c['length']} | {fmt(c['ttft_s'], '.3f')} | "
-            f"{fmt(c['tpot_s'] and c['tpot_s'] * 1e3, '.1f')} | "
-            f"{fmt(c['kv_bytes'] / 2**20, '.2f')} | "
-            f"{fmt(c['peak_rss_bytes'] / 2**30, '.2f')} | {fmt(c['ttft_ratio'], '.3f')} | "
-            f"{fmt(c['tpot_ratio'], '.3f')} | {fmt(c['kv_ratio'], '.3f')} |"
+            f"{fmt(c['tpot_s'], '.1f', 1e3)} | {fmt(c['kv_bytes'], '.2f', 2**-20)} | "
+            f"{fmt(c['kv_bytes_final'], '.2f', 2**-20)} | "
+            f"{fmt(c['peak_rss_bytes'], '.2f', 2**-30)} | {fmt(c['ttft_ratio'], '.3f')} | "
+            f"{fmt(c['tpot_ratio'], '.3f')} | {fmt(c['kv_ratio'], '.3f')} | "
+            f"{fmt(c['flops_prefill_ratio'], '.3f')} |"
         )
     return "\n".join(lines) + "\n"
+
+
+def report_markdown(result: dict, images: str = ".") -> str:
+    """A self-contained report: command, machine, table and the efficiency figure."""
+    cfg, machine = result["config"], result["machine"]
+    return "\n".join(
+        [
+            f"Measured {result['date']} with:",
+            "",
+            "```bash",
+            cfg.get("command") or "speedkv bench",
+            "```",
+            "",
+            f"Model `{cfg['model']}` in {result['dtype']}; {cfg['new_tokens']} new tokens per run; "
+            f"medians of {cfg['repeats']} repeats after one warm-up, methods interleaved within "
+            f"each repeat; ratios against `full` from the same repeat. Machine: {machine['cpu']}, "
+            f"{machine['threads']} threads, torch {machine['torch']}, transformers "
+            f"{machine['transformers']}. FLOPs x is the prefill cost-model ratio (layer-token "
+            "matmuls plus attention pairs).",
+            "",
+            markdown_table(result),
+            f"![TTFT, TPOT and KV memory against prompt length]({images}/efficiency.png)",
+            "",
+        ]
+    )
 
 
 def plot(result: dict, out: Path) -> None:

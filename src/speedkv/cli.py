@@ -51,6 +51,11 @@ def generate(
     top_p: float = typer.Option(1.0, "--top-p", help="Nucleus sampling mass in (0, 1]."),
     seed: int | None = typer.Option(None, "--seed", help="Seed for sampling."),
     stop: list[str] = typer.Option([], "--stop", help="Stop string (repeatable)."),
+    adapter: Path | None = typer.Option(
+        None,
+        "--adapter",
+        help="LoRA adapter directory from `speedkv train`, merged into the model.",
+    ),
     as_json: bool = typer.Option(
         False, "--json", help="Print one JSON object instead of streaming text."
     ),
@@ -75,8 +80,16 @@ def generate(
     from .policy import split_spec
 
     split_spec(method)  # malformed specs fail before the model loads
+    if adapter is not None:
+        from .train.adapters import read_adapter_info
+
+        read_adapter_info(adapter)  # so does a directory that holds no adapter
     log(f"loading {model}")
     loaded = load_model(model, dtype=dtype, device=device)
+    if adapter is not None:
+        from .train.adapters import apply_adapter
+
+        loaded = apply_adapter(loaded, adapter, method)
     policy = make_policy(method, loaded.shape)
     encoded = encode_prompt(loaded.tokenizer, text, chat=not raw)
     engine = Engine(loaded)
@@ -168,6 +181,12 @@ def demo(
     ),
     tokens: int = typer.Option(3000, "--tokens", help="Approximate document length in tokens."),
     dtype: str = typer.Option("auto", "--dtype", help="auto, float32 or bfloat16."),
+    adapter: Path | None = typer.Option(
+        None,
+        "--adapter",
+        help="LoRA adapter from `speedkv train`: the method it was trained for runs with it, "
+        "full runs without.",
+    ),
     as_json: bool = typer.Option(False, "--json", help="Print JSON."),
 ) -> None:
     """Ask one question about a long document with full attention and with SPEED (or any
@@ -176,7 +195,12 @@ def demo(
     from .demo import run_demo
 
     run_demo(
-        model=model, methods=parse_methods(methods), tokens=tokens, dtype=dtype, as_json=as_json
+        model=model,
+        methods=parse_methods(methods),
+        tokens=tokens,
+        dtype=dtype,
+        as_json=as_json,
+        adapter=adapter,
     )
 
 
@@ -197,6 +221,14 @@ def bench(
     out: Path = typer.Option(Path("runs/bench"), "--out", help="Directory for results."),
     dtype: str = typer.Option("auto", "--dtype", help="auto, float32 or bfloat16."),
     resume: bool = typer.Option(False, "--resume", help="Skip runs already in OUT/runs.jsonl."),
+    readme: Path | None = typer.Option(
+        None, "--readme", help="Also write the markdown report here (images linked relatively)."
+    ),
+    adapter: Path | None = typer.Option(
+        None,
+        "--adapter",
+        help="LoRA adapter directory from `speedkv train`, merged into the model.",
+    ),
     as_json: bool = typer.Option(False, "--json", help="Print results.json to stdout."),
 ) -> None:
     """Measure TTFT, TPOT, KV bytes, peak RSS and FLOPs per method and prompt length."""
@@ -211,14 +243,24 @@ def bench(
         new_tokens=new_tokens,
         repeats=repeats,
         dtype=dtype,
+        command=" ".join(["speedkv", *sys.argv[1:]]),
     )
     for spec in config.methods:
         if spec != "hf":
             split_spec(spec)
     if repeats < 1:
         raise UserError(f"repeats must be at least 1, got {repeats}")
+    if adapter is not None:
+        from .train.adapters import read_adapter_info
+
+        read_adapter_info(adapter)
     log(f"loading {model}")
-    runner = Bench(load_model(model, dtype=dtype), config, out)
+    loaded = load_model(model, dtype=dtype)
+    if adapter is not None:  # merged weights: the same cost as the base model
+        from .train.adapters import apply_adapter
+
+        loaded = apply_adapter(loaded, adapter)
+    runner = Bench(loaded, config, out)
     result = runner.run(resume=resume)
     if as_json:
         print(json.dumps(result, indent=2))
@@ -226,6 +268,13 @@ def bench(
         from .bench import markdown_table
 
         print(markdown_table(result))
+    if readme is not None:
+        import os
+
+        from .bench import report_markdown
+
+        images = os.path.relpath(out.resolve(), readme.resolve().parent)
+        readme.write_text(report_markdown(result, images))
         log(f"results in {out}/ (results.json, results.csv, table.md, efficiency.png)")
 
 
@@ -312,7 +361,12 @@ def _read_prompt(prompt: str | None, prompt_file: Path | None) -> str:
 
 # Tools that own their command: each module defines `register(app)` and keeps its heavy
 # imports inside the command function, so `speedkv --help` stays fast.
-TOOL_COMMANDS: list[str] = []
+TOOL_COMMANDS: list[str] = [
+    "speedkv.server.command",
+    "speedkv.train.command",
+    "speedkv.evals.command",
+    "speedkv.diagnose_command",
+]
 
 for _module in TOOL_COMMANDS:
     importlib.import_module(_module).register(app)

@@ -21,13 +21,21 @@ def log(message: str) -> None:
     print(f"[demo] {message}", file=sys.stderr, flush=True)
 
 
-def run_demo(model: str, methods: list[str], tokens: int, dtype: str, as_json: bool) -> dict:
+def run_demo(
+    model: str, methods: list[str], tokens: int, dtype: str, as_json: bool, adapter=None
+) -> dict:
     for method in methods:
         split_spec(method)
     log(f"loading {model} (the first run converts the GGUF once, ~20 s)")
     loaded = load_model(model, dtype=dtype)
     engine = Engine(loaded)
     specs = list(dict.fromkeys(["full"] + [make_policy(m, loaded.shape).spec() for m in methods]))
+    trained_for, adapted = None, None
+    if adapter is not None:  # the adapter's own method runs with it; full stays the base model
+        from .train.adapters import apply_adapter, read_adapter_info
+
+        trained_for = read_adapter_info(adapter).get("method")
+        adapted = Engine(apply_adapter(loaded, adapter))
     document = plant(haystack_text(loaded.tokenizer, tokens, split="eval"), FACT, depth=0.4)
     prompt = f"{document}\n\n{QUESTION}"
     sampling = SamplingParams(max_new_tokens=32)
@@ -35,14 +43,15 @@ def run_demo(model: str, methods: list[str], tokens: int, dtype: str, as_json: b
     engine.generate([engine.request("Hello.", "full", sampling=SamplingParams(max_new_tokens=2))])
     rows = []
     for spec in specs:
-        request = engine.request(prompt, spec, sampling=sampling)
+        runner = adapted if adapted is not None and spec == trained_for else engine
+        request = runner.request(prompt, spec, sampling=sampling)
         new = sampling.max_new_tokens
         log(f"{spec}: prefill of {len(request.ids)} tokens, then up to {new} new tokens")
         reset_peak_rss()
-        result = engine.generate([request])[0]
+        result = runner.generate([request])[0]
         rows.append(
             {
-                "method": result.method,
+                "method": result.method + (" + adapter" if runner is adapted else ""),
                 "answer": result.text.strip(),
                 "ttft_s": result.ttft_s,
                 "tpot_s": result.tpot_s,

@@ -34,7 +34,8 @@ class SamplingParams:
 
     @property
     def greedy(self) -> bool:
-        return self.temperature == 0.0
+        # temperatures this small divide logits into overflow; they mean greedy anyway
+        return self.temperature < 1e-5
 
 
 class Sampler:
@@ -62,6 +63,7 @@ class Sampler:
             cumulative = torch.softmax(ordered, -1).cumsum(-1)
             # drop a token once the mass before it already reaches top_p (keep at least one)
             drop = (cumulative - torch.softmax(ordered, -1)) >= p.top_p
+            drop[0] = False  # the likeliest token always stays, however small top_p is
             logits = logits.scatter(0, order[drop], float("-inf"))
         probs = torch.softmax(logits, -1)
         return int(torch.multinomial(probs, 1, generator=self.generator))

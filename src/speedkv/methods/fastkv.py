@@ -24,16 +24,9 @@ from dataclasses import dataclass
 
 import torch
 
-from ..errors import UserError
 from ..policy import LayerView, Policy, PromptInfo, Stream, register
-from ..scoring import (
-    budget,
-    check_budget,
-    group_heads,
-    scaled_layer,
-    top_plus_window,
-    window_scores,
-)
+from ..scoring import budget, check_budget, top_plus_window
+from .common import check_window_options, keep_per_head, layer_window_scores, resolve_layer
 
 
 @register
@@ -51,17 +44,10 @@ class FastKV(Policy):
 
     def __init__(self, config: Config, shape):
         super().__init__(config, shape)
-        layers = shape.num_layers
-        if config.tsp_layer is None:
-            config.tsp_layer = scaled_layer(15, layers)
-        if not 0 <= config.tsp_layer < layers:
-            raise UserError(f"tsp_layer must be between 0 and {layers - 1}, got {config.tsp_layer}")
+        config.tsp_layer = resolve_layer(config.tsp_layer, 15, shape, "tsp_layer")
         check_budget(config.tsp_rate, "tsp_rate")
         check_budget(config.retain, "retain")
-        if config.window < 1 or config.kernel < 1:
-            raise UserError("window and kernel must be at least 1")
-        if config.pool not in ("max", "avg"):
-            raise UserError(f"pool must be 'max' or 'avg', got '{config.pool}'")
+        check_window_options(config.window, config.kernel, config.pool)
         self.n = 0
         self.selected: torch.Tensor | None = None
         self.scores: torch.Tensor | None = None
@@ -75,23 +61,17 @@ class FastKV(Policy):
 
     def observe(self, layer: int, view: LayerView) -> None:
         cfg = self.config
-        q, q_pos = view.queries()
         n = view.kv.length
-        w = min(cfg.window, n)
-        self.scores = window_scores(
-            q, q_pos, view.kv.keys(), view.kv.positions()[0], w, cfg.kernel, cfg.pool
-        )  # [Hq, n - w]
+        self.scores = layer_window_scores(view, cfg.window, cfg.kernel, cfg.pool)  # [Hq, n - w]
         if layer == cfg.tsp_layer:
             keep = budget(cfg.tsp_rate, self.n, "tsp_rate")
             if keep < n:
                 index = top_plus_window(self.scores.sum(0, keepdim=True), keep, n)[0]
-                self.selected = torch.zeros(n, dtype=torch.bool, device=q.device)
+                self.selected = torch.zeros(n, dtype=torch.bool, device=self.scores.device)
                 self.selected[index] = True
 
     def computed(self, layer: int, stream: Stream) -> torch.Tensor | None:
-        if layer == self.config.tsp_layer + 1:
-            return self.selected
-        return None
+        return self.selected if layer == self.config.tsp_layer + 1 else None
 
     def kept(self, layer: int, view: LayerView) -> torch.Tensor | None:
         n = view.kv.length
@@ -99,8 +79,7 @@ class FastKV(Policy):
         self.kept_per_layer.append(min(keep, n))
         if keep >= n:
             return None
-        grouped = group_heads(self.scores, self.shape.num_kv_heads)
-        return top_plus_window(grouped, keep, n)
+        return keep_per_head(self.scores, keep, n, self.shape.num_kv_heads)
 
     def retained(self, layer: int, n: int) -> int:
         """Entries layer `layer` keeps out of its n."""

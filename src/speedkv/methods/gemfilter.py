@@ -21,7 +21,8 @@ import torch
 from ..errors import UserError
 from ..policy import Policy, PromptInfo, Selection, register
 from ..probe import record
-from ..scoring import budget, check_budget, pool1d, scaled_layer
+from ..scoring import budget, check_budget, pool1d
+from .common import resolve_layer
 
 
 @register
@@ -36,13 +37,7 @@ class GemFilter(Policy):
 
     def __init__(self, config: Config, shape):
         super().__init__(config, shape)
-        layers = shape.num_layers
-        if config.filter_layer is None:
-            config.filter_layer = scaled_layer(13, layers)
-        if not 0 <= config.filter_layer < layers:
-            raise UserError(
-                f"filter_layer must be between 0 and {layers - 1}, got {config.filter_layer}"
-            )
+        config.filter_layer = resolve_layer(config.filter_layer, 13, shape, "filter_layer")
         check_budget(config.retain, "retain")
         if config.kernel < 1:
             raise UserError("kernel must be at least 1")

@@ -15,14 +15,13 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-import torch
-
 from ..errors import UserError
-from ..policy import Policy, PromptInfo, Stream, register
+from ..policy import register
+from .common import LastTokenContinues
 
 
 @register
-class Pop(Policy):
+class Pop(LastTokenContinues):
     name = "pop"
 
     @dataclass
@@ -38,13 +37,9 @@ class Pop(Policy):
             raise UserError(
                 f"lcut must be between 0 and {layers} for this model, got {config.lcut}"
             )
-        self.last = -1
 
-    def begin(self, prompt: PromptInfo) -> None:
-        self.last = int(prompt.positions[-1])
-
-    def computed(self, layer: int, stream: Stream) -> torch.Tensor | None:
-        return None if layer < self.config.lcut else stream.pos == self.last
+    def cut_layer(self) -> int:
+        return self.config.lcut
 
     def exited_kv(self, layer: int) -> int | None:
         return layer  # the skipped layer's own norm and projections

@@ -17,9 +17,9 @@ from dataclasses import dataclass
 
 import torch
 
-from ..errors import UserError
 from ..policy import LayerView, Policy, PromptInfo, register
-from ..scoring import budget, check_budget, group_heads, top_plus_window, window_scores
+from ..scoring import budget, check_budget
+from .common import check_window_options, keep_per_head, layer_window_scores
 
 
 @register
@@ -37,10 +37,7 @@ class SnapKV(Policy):
     def __init__(self, config: Config, shape):
         super().__init__(config, shape)
         check_budget(config.retain, "retain")
-        if config.window < 1 or config.kernel < 1:
-            raise UserError("window and kernel must be at least 1")
-        if config.pool not in ("max", "avg"):
-            raise UserError(f"pool must be 'max' or 'avg', got '{config.pool}'")
+        check_window_options(config.window, config.kernel, config.pool)
         self.n = 0
 
     def begin(self, prompt: PromptInfo) -> None:
@@ -55,14 +52,8 @@ class SnapKV(Policy):
         keep = budget(cfg.retain, n, "retain")
         if keep >= n:
             return None
-        q, q_pos = view.queries()
-        w = min(cfg.window, n)
-        scores = window_scores(
-            q, q_pos, view.kv.keys(), view.kv.positions()[0], w, cfg.kernel, cfg.pool
-        )
-        if cfg.gqa:
-            scores = group_heads(scores, self.shape.num_kv_heads)
-        return top_plus_window(scores, keep, n)
+        scores = layer_window_scores(view, cfg.window, cfg.kernel, cfg.pool)
+        return keep_per_head(scores, keep, n, self.shape.num_kv_heads if cfg.gqa else None)
 
     def summary(self) -> dict:
         return {"prompt_tokens": self.n, "kept": budget(self.config.retain, self.n, "retain")}

@@ -17,14 +17,13 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-import torch
-
 from ..errors import UserError
-from ..policy import Policy, PromptInfo, Stream, register
+from ..policy import register
+from .common import LastTokenContinues
 
 
 @register
-class SwiftKV(Policy):
+class SwiftKV(LastTokenContinues):
     name = "swiftkv"
 
     @dataclass
@@ -41,13 +40,9 @@ class SwiftKV(Policy):
             raise UserError(f"k must be between 0 and {layers} for this model, got {config.k}")
         if config.acrosskv < 1:
             raise UserError(f"acrosskv must be a group size >= 1, got {config.acrosskv}")
-        self.last = -1
 
-    def begin(self, prompt: PromptInfo) -> None:
-        self.last = int(prompt.positions[-1])
-
-    def computed(self, layer: int, stream: Stream) -> torch.Tensor | None:
-        return None if layer < self.config.k else stream.pos == self.last
+    def cut_layer(self) -> int:
+        return self.config.k
 
     def exited_kv(self, layer: int) -> int | None:
         return self.config.k if layer >= self.config.k else None

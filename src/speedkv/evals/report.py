@@ -1,0 +1,375 @@
+"""Summaries, markdown tables and plots of an evaluation's records."""
+
+from __future__ import annotations
+
+import json
+import math
+import re
+import statistics
+from pathlib import Path
+
+from .tasks import DESCRIPTIONS, SHORT, is_needle
+
+
+# -- summary ----------------------------------------------------------------------------------
+def summarise(records: list[dict], methods: list[str], tasks: list[str]) -> list[dict]:
+    """One row per (task, method, length): `score` and `n`, plus the task's own metrics."""
+    groups: dict[tuple[str, str, int], list[dict]] = {}
+    for r in records:
+        groups.setdefault((r["task"], r["method"], r["length"]), []).append(r)
+    rows = []
+    for task in tasks:
+        lengths = sorted({length for t, _, length in groups if t == task})
+        for method in methods:
+            for length in lengths:
+                mine = groups.get((task, method, length))
+                if mine:
+                    rows.append(summary_row(task, method, length, mine))
+    return rows
+
+
+def summary_row(task: str, method: str, length: int, records: list[dict]) -> dict:
+    row = {
+        "method": method,
+        "task": task,
+        "length": length,
+        "score": statistics.fmean(r["score"] for r in records),
+        "n": len(records),
+        "prompt_tokens_mean": statistics.fmean(r["prompt_tokens"] for r in records),
+    }
+    if is_needle(task):
+        row["recall"] = statistics.fmean(r["recall"] for r in records)
+        by_depth: dict[float, list[float]] = {}
+        for r in records:
+            by_depth.setdefault(r["depth"], []).append(r["score"])
+        row["by_depth"] = {str(d): statistics.fmean(v) for d, v in sorted(by_depth.items())}
+    elif task == "fidelity":
+        nll = statistics.fmean(r["nll"] for r in records)
+        nll_full = statistics.fmean(r["nll_full"] for r in records)
+        row.update(
+            nll=nll,
+            ppl=math.exp(nll),
+            ppl_full=math.exp(nll_full),
+            ppl_ratio=math.exp(nll - nll_full),  # ratio of corpus perplexities, same tokens
+            agreement=statistics.fmean(r["agreement"] for r in records),
+            kl=statistics.fmean(r["kl"] for r in records),
+            top1_text=statistics.fmean(r["top1_text"] for r in records),
+        )
+    elif task == "sanity":
+        row["token_agreement"] = statistics.fmean(r["token_agreement"] for r in records)
+    return row
+
+
+# -- markdown ---------------------------------------------------------------------------------
+def _length_label(length: int) -> str:
+    if length == SHORT:
+        return "short"
+    return f"{length // 1024}K" if length % 1024 == 0 else str(length)
+
+
+def metric_table(summary: list[dict], task: str, key: str, fmt) -> str:
+    """Rows = methods (in run order), columns = lengths; each cell `fmt(row[key])` (n)."""
+    rows = [r for r in summary if r["task"] == task]
+    lengths = sorted({r["length"] for r in rows})
+    methods = list(dict.fromkeys(r["method"] for r in rows))
+    cells = {(r["method"], r["length"]): r for r in rows}
+    lines = [
+        "| method | " + " | ".join(_length_label(n) for n in lengths) + " |",
+        "|---|" + "---:|" * len(lengths),
+    ]
+    for method in methods:
+        values = []
+        for n in lengths:
+            row = cells.get((method, n))
+            values.append("–" if row is None else f"{fmt(row[key])} ({row['n']})")
+        lines.append(f"| `{method}` | " + " | ".join(values) + " |")
+    return "\n".join(lines) + "\n"
+
+
+def percent(value: float) -> str:
+    return f"{100 * value:.0f}%"
+
+
+TABLES = {  # task -> [(title, summary key, format)]
+    "fidelity": [
+        ("perplexity ratio to full (1 = unchanged, above 1 = worse)", "ppl_ratio", "{:.3f}"),
+        ("top-1 agreement with full", "agreement", "{:.3f}"),
+        ("KL(full || method), nats per token", "kl", "{:.4f}"),
+        ("perplexity", "ppl", "{:.2f}"),
+    ],
+    "sanity": [
+        ("answers identical to full's", "score", percent),
+        ("token agreement with full, first 32 tokens", "token_agreement", "{:.3f}"),
+    ],
+}
+NEEDLE_TABLE = [("exact-match accuracy", "score", percent)]
+RECALL_TABLE = [("share of expected values in the answer (recall)", "recall", percent)]
+TABLES["niah_multivalue"] = NEEDLE_TABLE + RECALL_TABLE
+TABLES["vt"] = NEEDLE_TABLE + RECALL_TABLE
+
+
+def task_tables(summary: list[dict], task: str, level: str = "##") -> str:
+    parts = [f"{level} {task}: {DESCRIPTIONS[task]}\n"]
+    for title, key, fmt in TABLES.get(task, NEEDLE_TABLE):
+        formatter = fmt if callable(fmt) else fmt.format
+        parts.append(
+            f"{title} (samples in brackets):\n\n" + metric_table(summary, task, key, formatter)
+        )
+    return "\n".join(parts)
+
+
+HEADLINE = {  # task -> (summary key, column label, format) for the overview table
+    "niah": ("score", "niah", percent),
+    "niah_multikey": ("score", "multikey", percent),
+    "niah_multivalue": ("recall", "multivalue recall", percent),
+    "vt": ("recall", "vt recall", percent),
+    "fidelity": ("ppl_ratio", "ppl ratio", "{:.3f}".format),
+    "sanity": ("score", "sanity", percent),
+}
+
+
+def overview_table(summary: list[dict]) -> str:
+    """One row per method, one column per task and length: each task's headline number."""
+    columns = list(dict.fromkeys((r["task"], r["length"]) for r in summary))
+    methods = list(dict.fromkeys(r["method"] for r in summary))
+    cells = {(r["method"], r["task"], r["length"]): r for r in summary}
+    labels = [HEADLINE[t][1] + ("" if n == SHORT else f" {_length_label(n)}") for t, n in columns]
+    lines = ["| method | " + " | ".join(labels) + " |", "|---|" + "---:|" * len(columns)]
+    for method in methods:
+        values = []
+        for task, n in columns:
+            key, _, fmt = HEADLINE[task]
+            row = cells.get((method, task, n))
+            values.append("–" if row is None else fmt(row[key]))
+        lines.append(f"| `{method}` | " + " | ".join(values) + " |")
+    return "\n".join(lines) + "\n"
+
+
+def markdown_tables(result: dict, level: str = "##") -> str:
+    tasks = list(dict.fromkeys(r["task"] for r in result["summary"]))
+    return "\n".join(task_tables(result["summary"], task, level) for task in tasks)
+
+
+def misses_markdown(result: dict) -> str:
+    """Every needle sample a method got wrong: where the needle was and what it answered."""
+    lines = [
+        "| task | method | length | sample | depth | prompt tokens | expected | answer |",
+        "|---|---|---:|---:|---:|---:|---|---|",
+    ]
+    for r in result["records"]:
+        if is_needle(r["task"]) and not r["correct"]:
+            answer = " ".join(r["answer"].split())
+            answer = answer[:77] + "..." if len(answer) > 80 else answer
+            lines.append(
+                f"| {r['task']} | `{r['method']}` | {r['length']} | {r['sample']} | "
+                f"{r['depth']:g} | {r['prompt_tokens']} | {' '.join(r['expected'])} | "
+                f"{answer.replace('|', '/')} |"
+            )
+    return "\n".join(lines) + "\n"
+
+
+# -- outputs ----------------------------------------------------------------------------------
+def write_outputs(result: dict, out: Path, plots: bool = True) -> None:
+    (out / "results.json").write_text(json.dumps(result, indent=2))
+    (out / "tables.md").write_text(markdown_tables(result))
+    (out / "misses.md").write_text(misses_markdown(result))
+    if plots:
+        plot_needles(result, out)
+        plot_fidelity(result, out)
+
+
+def slug(spec: str) -> str:
+    return re.sub(r"[^A-Za-z0-9]+", "_", spec).strip("_")
+
+
+def wrap_spec(spec: str, width: int = 40) -> str:
+    """A long method spec over several lines, broken after commas, for plot labels."""
+    lines, line = [], ""
+    for part in re.split(r"(?<=,)", spec):
+        if line and len(line) + len(part) > width:
+            lines.append(line)
+            line = ""
+        line += part
+    return "\n".join([*lines, line])
+
+
+def _pyplot():
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    return plt
+
+
+def plot_needles(result: dict, out: Path) -> list[Path]:
+    """Per method, one PNG of depth x length accuracy heatmaps, a panel per needle task."""
+    rows = [r for r in result["summary"] if is_needle(r["task"])]
+    if not rows:
+        return []
+    plt = _pyplot()
+    tasks = list(dict.fromkeys(r["task"] for r in rows))
+    depths = sorted(
+        {float(d) for d in result["config"]["depths"]}
+        | {float(d) for r in rows for d in r["by_depth"]}
+    )
+    lengths = sorted({r["length"] for r in rows})
+    written = []
+    for method in dict.fromkeys(r["method"] for r in rows):
+        fig, axes = plt.subplots(
+            1, len(tasks), figsize=(1.6 + 1.5 * len(lengths) * len(tasks), 0.9 + 0.6 * len(depths))
+        )
+        axes = [axes] if len(tasks) == 1 else list(axes)
+        for ax, task in zip(axes, tasks):
+            cells = {
+                r["length"]: r["by_depth"]
+                for r in rows
+                if r["method"] == method and r["task"] == task
+            }
+            grid = [[cells.get(n, {}).get(str(d), math.nan) for n in lengths] for d in depths]
+            ax.imshow(grid, vmin=0, vmax=1, cmap="RdYlGn", aspect="auto")
+            for i, line in enumerate(grid):
+                for j, value in enumerate(line):
+                    label = "–" if math.isnan(value) else f"{100 * value:.0f}"
+                    ax.text(j, i, label, ha="center", va="center", fontsize=9)
+            ax.set_xticks(range(len(lengths)), [_length_label(n) for n in lengths])
+            ax.set_yticks(range(len(depths)), [f"{d:g}" for d in depths])
+            ax.set_xlabel("prompt tokens")
+            ax.set_ylabel("needle depth")
+            ax.set_title(task, fontsize=10)
+        fig.suptitle(f"{wrap_spec(method, 100)}: accuracy %", fontsize=9)
+        fig.tight_layout()
+        path = out / f"heatmap_{slug(method)}.png"
+        fig.savefig(path, dpi=110)
+        plt.close(fig)
+        written.append(path)
+    return written
+
+
+def plot_fidelity(result: dict, out: Path) -> Path | None:
+    """Perplexity ratio, top-1 agreement and KL per method: a dot per prompt length."""
+    rows = [r for r in result["summary"] if r["task"] == "fidelity"]
+    if not rows:
+        return None
+    plt = _pyplot()
+    methods = list(dict.fromkeys(r["method"] for r in rows))
+    lengths = sorted({r["length"] for r in rows})
+    cells = {(r["method"], r["length"]): r for r in rows}
+    panels = [
+        ("ppl_ratio", "perplexity ratio to full", 1.0),
+        ("agreement", "top-1 agreement with full", 1.0),
+        ("kl", "KL(full || method), nats per token", 0.0),
+    ]
+    fig, axes = plt.subplots(1, 3, figsize=(15, 1.4 + 0.4 * len(methods)), sharey=True)
+    ys = list(range(len(methods)))
+    for ax, (key, label, reference) in zip(axes, panels):
+        for n, marker in zip(lengths, "osD^v<>"):
+            xs = [cells[(m, n)][key] if (m, n) in cells else math.nan for m in methods]
+            ax.plot(xs, ys, marker, label=f"{_length_label(n)} tokens", alpha=0.8)
+        ax.axvline(reference, color="black", lw=0.8)
+        ax.set_xlabel(label)
+        ax.grid(alpha=0.3)
+    axes[0].set_yticks(ys, [wrap_spec(m) for m in methods], fontsize=7)
+    axes[0].invert_yaxis()
+    axes[0].legend(fontsize=7)
+    fig.suptitle(f"fidelity against full ({result['config']['model']})", fontsize=9)
+    fig.tight_layout()
+    path = out / "fidelity.png"
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
+
+
+# -- docs/results.md ----------------------------------------------------------------------------
+def results_markdown(result: dict, command: str | None = None, directory: str | None = None) -> str:
+    """The whole results page: what was run, how tasks are built and scored, every table."""
+    cfg = result["config"]
+    versions = result.get("versions", {})
+    header = result.get("header", {})
+    samples = ", ".join(f"{t} {n}" for t, n in cfg["n"].items())
+    lengths = ", ".join(str(n) for n in cfg["lengths"])
+    compute = sum(r.get("seconds", 0.0) for r in result.get("records", [])) / 60
+    lines = [
+        "# Quality results",
+        "",
+        f"Model `{cfg['model']}` ({header.get('dtype', cfg.get('dtype'))}), essays of the "
+        f"`{cfg.get('split', 'eval')}` split, seed {cfg['seed']}, prompt lengths {lengths}, "
+        f"needle depths {', '.join(f'{d:g}' for d in cfg['depths'])}, "
+        f"{cfg['fidelity_tokens']} teacher-forced tokens for fidelity. "
+        f"Samples per task and length: {samples}.",
+        "",
+        f"Measured {result.get('date', '?')} with speedkv {versions.get('speedkv', '?')}, "
+        f"torch {versions.get('torch', '?')}, transformers {versions.get('transformers', '?')} "
+        f"on {versions.get('cpu', '?')}, {versions.get('threads', '?')} torch threads; the "
+        f"runs took {compute:.0f} min in all.",
+        "",
+    ]
+    if command:
+        lines += ["Regenerate with:", "", "```bash", command, "```", ""]
+    if directory:
+        lines += [
+            f"Per-sample records (prompt length, needle depth, expected values, answer) are in "
+            f"`{directory}/results.json`, the needle samples each method missed in "
+            f"`{directory}/misses.md`, depth x length heatmaps per method in "
+            f"`{directory}/heatmap_*.png` and the fidelity plot in `{directory}/fidelity.png`.",
+            "",
+        ]
+    lines += [
+        "## Overview",
+        "",
+        "Each task's headline number per method and prompt length (details below).",
+        "",
+        overview_table(result["summary"]),
+        METHODOLOGY,
+        markdown_tables(result, level="##"),
+    ]
+    return "\n".join(lines)
+
+
+METHODOLOGY = """\
+## How the tasks are built and scored
+
+Every prompt goes through the model's chat template with the question after the document;
+lengths are total prompt tokens (the essay text is trimmed word by word to fit, so prompts are
+at most the length and within a few tokens of it). The haystack is essay text of the chosen
+split from a sentence offset drawn from the seeded RNG; sample `i` uses the same needles and
+offset at every length and sits at needle depth `depths[i mod len(depths)]`.
+
+- **niah**: `There is an important piece of information hidden inside a lot of irrelevant
+  text. Find it and memorize it. I will quiz you about it.`, the essays with
+  `The pass key is 12345. Remember it. 12345 is the pass key.` planted between sentences, then
+  `What is the pass key? Answer with the number only.` (40 new tokens, as for multikey:
+  full answers in about 10, but a method may wrap the number in a longer sentence).
+- **niah_multikey**: four needles `The pass key for the garden is 12345. Remember it. 12345 is
+  the pass key for the garden.` with different things; one asked, `What is the pass key for
+  the garden? Answer with the number only.`. The asked needle is at the grid depth, the other
+  three at random depths.
+- **niah_multivalue**: four needles `One of the pass keys for the garden is 12345. Remember
+  it.`; `What are all the pass keys for the garden? Answer with the numbers only.`
+  (64 new tokens); all four must be given.
+- **vt**: `VAR ABCDE = 12345.`, then `VAR FGHIJ = VAR ABCDE.` and `VAR KLMNO = VAR FGHIJ.` later
+  in the text; `Which variables are assigned the value 12345, directly or through another
+  variable? Answer with the variable names only.` (64 new tokens); all three names must be
+  given.
+
+The multi-needle tasks open with the plural form of the instruction. The wording was chosen
+on the `calib` split (full attention, 6 samples at 1K and at 2K): the classic pass-key needle
+with its instruction line was retrieved every time, while RULER's "special magic number"
+phrasing and a bare "The secret number is N." each missed once at 2K, answering with a stray
+number from the essays. Scoring is exact match by containment, as in RULER:
+a sample is correct when every expected value appears in the greedy answer as a whole number
+(thousands separators ignored) or, for `vt`, as a whole word (case ignored). Every record in
+`results.json` keeps the prompt length, depth, planted sentences, expected values and the
+answer.
+
+**fidelity**: the first `length` tokens of an essay passage (raw text with the tokenizer's own
+special tokens, no chat template; sample `i` starts at the same sentence at every length) are
+the prompt; the next tokens of the same passage are teacher-forced through the method's real
+decode path. Reported: perplexity of those tokens, its ratio to full's on the same tokens,
+top-1 agreement with full's argmax and the mean KL(full || method).
+
+**sanity**: twelve fixed short instructions (arithmetic, lists, definitions, rewriting,
+translation); a method scores when its greedy answer (up to 48 tokens) is token for token
+full's. Full is the reference, so it scores 100% by construction. Its rows carry length 0
+in `results.json`.
+"""

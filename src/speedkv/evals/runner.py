@@ -1,0 +1,390 @@
+"""`speedkv eval`: methods x tasks x lengths x samples, one record per run.
+
+Work goes sample by sample: a sample's prompt is built once and every pending method runs on
+it, `full` first (the reference the others are compared with). Each method runs alone, so its
+numbers never depend on which other methods share the sweep, and a resumed run gives the same
+records as an uninterrupted one. Records are appended to `records.jsonl` as they finish;
+`--resume` skips every (method, task, length, sample) already there.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import math
+import time
+from collections.abc import Iterator
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import torch
+from tqdm import tqdm
+
+from ..engine import Engine, Request
+from ..errors import UserError
+from ..models import LoadedModel
+from ..policy import Policy, make_policy
+from ..sampling import SamplingParams
+from . import fidelity, needles, sanity
+from .tasks import DEFAULT_DEPTHS, SHORT, TASKS, is_needle, max_new_tokens
+
+# Bump when prompts, wording or scoring change: records made under another version are not
+# mixed with new ones on --resume.
+TASK_VERSION = 1
+FULL = "full"
+
+
+@dataclass
+class EvalConfig:
+    model: str
+    methods: list[str]
+    tasks: list[str]
+    lengths: list[int]
+    n: dict[str, int]
+    seed: int = 0
+    dtype: str = "auto"
+    depths: list[float] = field(default_factory=lambda: list(DEFAULT_DEPTHS))
+    fidelity_tokens: int = fidelity.DEFAULT_TOKENS
+    split: str = "eval"
+    adapter: str | None = None  # LoRA adapter merged into the model (every method runs with it)
+
+
+@dataclass(frozen=True)
+class Unit:
+    """One sample of one task at one length; every method runs on it."""
+
+    task: str
+    length: int
+    index: int
+
+
+class EvalRunner:
+    def __init__(self, model: LoadedModel, config: EvalConfig, out: Path):
+        if model.tokenizer is None:
+            raise UserError("evaluation needs a model with a tokenizer")
+        self.model, self.config, self.out = model, config, out
+        self.engine = Engine(model)
+        specs = list(dict.fromkeys([FULL, *config.methods]))  # full is every task's reference
+        policies = [make_policy(spec, model.shape) for spec in specs]
+        self.policies: dict[str, Policy] = {p.spec(): p for p in policies}
+        self.methods = list(self.policies)
+        self._validate()
+
+    # -- checks ------------------------------------------------------------------------------
+    def _validate(self) -> None:
+        cfg, shape, tok = self.config, self.model.shape, self.model.tokenizer
+        unknown = [t for t in cfg.tasks if t not in TASKS]
+        if unknown:
+            raise UserError(f"unknown task '{unknown[0]}'; tasks: {', '.join(TASKS)}")
+        for task, count in cfg.n.items():
+            if count < 1:
+                raise UserError(f"--n must be at least 1 sample, got {count} for {task}")
+        if cfg.fidelity_tokens < 1:
+            raise UserError(f"fidelity-tokens must be at least 1, got {cfg.fidelity_tokens}")
+        if any(not 0.0 <= d <= 1.0 for d in cfg.depths) or not cfg.depths:
+            raise UserError(f"depths must be fractions between 0 and 1, got {cfg.depths}")
+        if not any(t != "sanity" for t in cfg.tasks):
+            return  # sanity alone uses no --lengths
+        if not cfg.lengths:
+            raise UserError("give at least one prompt length, e.g. --lengths 2048")
+        for length in cfg.lengths:
+            if length > shape.max_positions:
+                raise UserError(
+                    f"length {length} is longer than the model's context of "
+                    f"{shape.max_positions} tokens"
+                )
+            for task in cfg.tasks:
+                if is_needle(task):
+                    needed = 2 * needles.shortest_prompt(tok, task)
+                    if length < needed:
+                        raise UserError(
+                            f"length {length} is too short for task {task}: it needs at least "
+                            f"{needed} tokens (half of them essay text)"
+                        )
+                    room = length + max_new_tokens(task)
+                elif task == "fidelity":
+                    room = length + cfg.fidelity_tokens
+                else:
+                    continue
+                if room > shape.max_positions:
+                    raise UserError(
+                        f"length {length} leaves no room for task {task}'s "
+                        f"{room - length} new tokens within the model's context of "
+                        f"{shape.max_positions}"
+                    )
+
+    # -- the plan ----------------------------------------------------------------------------
+    def units(self) -> list[Unit]:
+        cfg = self.config
+        out = []
+        for task in cfg.tasks:
+            lengths = [SHORT] if task == "sanity" else cfg.lengths
+            count = min(cfg.n[task], len(sanity.PROMPTS)) if task == "sanity" else cfg.n[task]
+            out += [Unit(task, length, i) for length in lengths for i in range(count)]
+        return out
+
+    def header(self) -> dict:
+        cfg = self.config
+        return {
+            "model": cfg.model,
+            "dtype": str(self.model.dtype).replace("torch.", ""),
+            "seed": cfg.seed,
+            "split": cfg.split,
+            "depths": cfg.depths,
+            "fidelity_tokens": cfg.fidelity_tokens,
+            "task_version": TASK_VERSION,
+            "adapter": cfg.adapter,
+        }
+
+    # -- the sweep ---------------------------------------------------------------------------
+    def run(
+        self, resume: bool = False, progress: bool = True, log=None, plots: bool = True
+    ) -> dict:
+        started = time.perf_counter()
+        self.out.mkdir(parents=True, exist_ok=True)
+        path = self.out / "records.jsonl"
+        records = self._load(path) if resume else []
+        if not resume or not path.exists():
+            path.write_text(json.dumps({"header": self.header()}) + "\n")
+        done = {record_key(r) for r in records}
+        todo = [
+            (unit, [m for m in self.methods if (m, unit.task, unit.length, unit.index) not in done])
+            for unit in self.units()
+        ]
+        todo = [(unit, methods) for unit, methods in todo if methods]
+        runs = sum(len(methods) for _, methods in todo)
+        if log and runs:
+            seconds = self.estimate_seconds(todo)
+            log(
+                f"{runs} runs to do ({len(records)} already recorded); estimated at most "
+                f"{seconds / 60:.0f} min on this machine now (every method costed as full)"
+            )
+        bar = tqdm(total=runs, disable=not progress, unit="run", desc="eval", dynamic_ncols=True)
+        with path.open("a") as sink:
+            for unit, methods in todo:
+                bar.set_postfix_str(f"{unit.task} @ {unit.length} #{unit.index}")
+                for record in self.run_unit(unit, methods, records):
+                    sink.write(json.dumps(record) + "\n")  # kept even if the sweep stops here
+                    sink.flush()
+                    records.append(record)
+                    bar.update()
+        bar.close()
+        from .report import summarise, write_outputs
+
+        wanted = {(m, u.task, u.length, u.index) for u in self.units() for m in self.methods}
+        mine = sorted((r for r in records if record_key(r) in wanted), key=self._record_order)
+        result = {
+            "config": asdict(self.config),
+            "methods": self.methods,
+            "header": self.header(),
+            "versions": versions(),
+            "date": time.strftime("%Y-%m-%d %H:%M:%S"),
+            "elapsed_s": time.perf_counter() - started,
+            "summary": summarise(mine, self.methods, self.config.tasks),
+            "records": mine,
+        }
+        write_outputs(result, self.out, plots)
+        return result
+
+    def _record_order(self, r: dict) -> tuple:
+        return (
+            self.config.tasks.index(r["task"]),
+            r["length"],
+            r["sample"],
+            self.methods.index(r["method"]),
+        )
+
+    def _load(self, path: Path) -> list[dict]:
+        if not path.exists():
+            return []
+        lines = []
+        text = path.read_text().splitlines()
+        for number, line in enumerate(text):
+            try:
+                lines.append(json.loads(line))
+            except json.JSONDecodeError:
+                if number < len(text) - 1:  # only the last line may be cut short by a kill
+                    raise UserError(
+                        f"{path} line {number + 1} is not JSON; use another --out"
+                    ) from None
+                path.write_text("".join(json.dumps(r) + "\n" for r in lines))  # drop it
+        header = self.header()
+        if not lines or lines[0].get("header") != header:
+            found = lines[0].get("header") if lines else "none"
+            raise UserError(
+                f"{path} was made with other settings ({found}); use another --out, or the "
+                "same model, dtype, seed, split, depths and fidelity-tokens"
+            )
+        return lines[1:]
+
+    # -- one sample, every pending method ------------------------------------------------------
+    def run_unit(self, unit: Unit, methods: list[str], records: list[dict]) -> Iterator[dict]:
+        """Records of `methods` on one sample, each as soon as it is done; full's first."""
+        if is_needle(unit.task):
+            return self._needle(unit, methods)
+        if unit.task == "fidelity":
+            return self._fidelity(unit, methods)
+        return self._sanity(unit, methods, records)
+
+    def _generate(self, method: str, ids: list[int], header: int | None, new: int):
+        request = Request(ids, self.policies[method], SamplingParams(max_new_tokens=new), header)
+        return self.engine.generate([request])[0]  # the engine copies the policy per request
+
+    def _needle(self, unit: Unit, methods: list[str]) -> Iterator[dict]:
+        cfg = self.config
+        sample = needles.build_sample(
+            self.model.tokenizer, unit.task, unit.length, unit.index, cfg.seed, cfg.depths,
+            cfg.split,
+        )  # fmt: skip
+        for method in methods:
+            t0 = time.perf_counter()
+            g = self._generate(
+                method, sample.prompt.ids, sample.prompt.header_tokens, max_new_tokens(unit.task)
+            )
+            found = needles.found_values(unit.task, g.text, sample.expected)
+            yield {
+                **base_record(method, unit, len(sample.prompt.ids)),
+                "depth": sample.depth,
+                "start": sample.start,
+                "expected": sample.expected,
+                "answer": g.text,
+                "found": found,
+                "correct": len(found) == len(sample.expected),
+                "score": float(len(found) == len(sample.expected)),
+                "recall": len(found) / len(sample.expected),
+                "output_tokens": len(g.output_ids),
+                "finish_reason": g.finish_reason,
+                "question": sample.question,
+                "facts": sample.facts,
+                "seconds": time.perf_counter() - t0,
+            }
+
+    def _fidelity(self, unit: Unit, methods: list[str]) -> Iterator[dict]:
+        cfg = self.config
+        sample = fidelity.build_sample(
+            self.model.tokenizer, unit.length, cfg.fidelity_tokens, unit.index, cfg.seed,
+            cfg.split,
+        )  # fmt: skip
+        # full's distributions are the reference for every method of this sample: computed
+        # once here, whether or not full's own record is still pending
+        t0 = time.perf_counter()
+        reference = self._logprobs(FULL, sample)
+        full_seconds = time.perf_counter() - t0
+        for method in methods:
+            t0 = time.perf_counter()
+            logprobs = reference if method == FULL else self._logprobs(method, sample)
+            seconds = full_seconds if method == FULL else time.perf_counter() - t0
+            metrics = fidelity.compare(logprobs, reference, sample.continuation)
+            yield {
+                **base_record(method, unit, len(sample.prompt)),
+                "start": sample.start,
+                "tokens": len(sample.continuation),
+                **metrics,
+                "ppl": math.exp(metrics["nll"]),
+                "ppl_ratio": math.exp(metrics["nll"] - metrics["nll_full"]),
+                "score": metrics["agreement"],
+                "seconds": seconds,
+            }
+
+    def _logprobs(self, method: str, sample: fidelity.FidelitySample) -> torch.Tensor:
+        policy = copy.copy(self.policies[method])  # per-prompt state stays with this prompt
+        return fidelity.teacher_forced_logprobs(
+            self.engine, sample.prompt, sample.continuation, policy
+        )
+
+    def _sanity(self, unit: Unit, methods: list[str], records: list[dict]) -> Iterator[dict]:
+        from ..textio import encode_prompt
+
+        prompt = sanity.PROMPTS[unit.index]
+        encoded = encode_prompt(self.model.tokenizer, prompt)
+        reference = next(
+            (r for r in records if record_key(r) == (FULL, unit.task, unit.length, unit.index)),
+            None,
+        )
+        for method in methods:
+            t0 = time.perf_counter()
+            g = self._generate(method, encoded.ids, encoded.header_tokens, sanity.MAX_NEW_TOKENS)
+            full_ids = g.output_ids if method == FULL else reference["output_ids"]
+            full_text = g.text if method == FULL else reference["answer"]
+            record = {
+                **base_record(method, unit, len(encoded.ids)),
+                "prompt": prompt,
+                "answer": g.text,
+                "full_answer": full_text,
+                "exact": g.output_ids == full_ids,
+                "score": float(g.output_ids == full_ids),
+                "token_agreement": sanity.token_agreement(g.output_ids, full_ids),
+                "output_ids": g.output_ids,
+                "finish_reason": g.finish_reason,
+                "seconds": time.perf_counter() - t0,
+            }
+            if method == FULL:
+                reference = record
+            yield record
+
+    # -- time estimate -------------------------------------------------------------------------
+    def estimate_seconds(
+        self,
+        todo: list[tuple[Unit, list[str]]],
+        prefill_s: float | None = None,
+        step_s: float | None = None,
+    ) -> float:
+        """Seconds the pending runs should take, every method costed as full: full's prefill
+        and decode-step times on a 512-token prompt (measured now unless given), scaled with
+        length (linear work plus attention that grows with the prompt)."""
+        if prefill_s is None or step_s is None:
+            prefill_s, step_s = self._measure_full(512, 8)
+        total = 0.0
+        for unit, methods in todo:
+            length = 64 if unit.task == "sanity" else unit.length
+            new = (
+                self.config.fidelity_tokens
+                if unit.task == "fidelity"
+                else max_new_tokens(unit.task)
+            )
+            per = prefill_s * _prefill_cost(length) / _prefill_cost(512)
+            per += new * step_s * _step_cost(length) / _step_cost(512)
+            runs = len(methods) + (unit.task == "fidelity" and FULL not in methods)
+            total += runs * per
+        return total
+
+    def _measure_full(self, length: int, steps: int) -> tuple[float, float]:
+        ids = fidelity.build_sample(self.model.tokenizer, length, steps, 0, 0, self.config.split)
+        policy = copy.copy(self.policies[FULL])
+        self.engine.prefill(ids.prompt[:32], copy.copy(policy))  # warm-up
+        t0 = time.perf_counter()
+        done = self.engine.prefill(ids.prompt, policy, spare=steps)
+        t1 = time.perf_counter()
+        for i, token in enumerate(ids.continuation):
+            self.engine.decode_step([done.cache], [policy], [token], [done.next_position + i])
+        t2 = time.perf_counter()
+        return t1 - t0, (t2 - t1) / steps
+
+
+def _prefill_cost(n: int) -> float:
+    return n * (1 + n / 2560)  # fitted to SmolLM2 bf16 prefill at 2K and 8K on a 2-core CPU
+
+
+def _step_cost(n: int) -> float:
+    return 1 + n / 1024  # a fixed cost per step, plus reading a cache that grows
+
+
+def base_record(method: str, unit: Unit, prompt_tokens: int) -> dict:
+    return {
+        "method": method,
+        "task": unit.task,
+        "length": unit.length,
+        "sample": unit.index,
+        "prompt_tokens": prompt_tokens,
+    }
+
+
+def record_key(record: dict) -> tuple[str, str, int, int]:
+    return (record["method"], record["task"], record["length"], record["sample"])
+
+
+def versions() -> dict:
+    from .. import __version__
+    from ..bench import machine_facts
+
+    return {"speedkv": __version__, **machine_facts()}

@@ -1,0 +1,91 @@
+"""The evaluation tasks by name, their default sample counts, and option parsing."""
+
+from __future__ import annotations
+
+from ..errors import UserError
+from . import sanity
+from .needles import MAX_NEW_TOKENS as NEEDLE_NEW_TOKENS
+from .needles import NEEDLE_TASKS
+
+TASKS = (*NEEDLE_TASKS, "fidelity", "sanity")
+DESCRIPTIONS = {
+    "niah": "single needle: a 5-digit pass key, asked back",
+    "niah_multikey": "four pass keys for four named things; one asked",
+    "niah_multivalue": "four pass keys for one thing; all four asked",
+    "vt": "variable tracking: a chain of three assignments; every variable holding the value",
+    "fidelity": "teacher-forced continuation of an essay: perplexity, top-1 agreement and KL "
+    "against full",
+    "sanity": "short instructions: greedy answer identical to full's",
+}
+# Samples per task and length when --n does not say: sized so that the full docs/results.md
+# sweep (17 methods, 2K and 4K) stays within about two hours on a 2-core CPU.
+DEFAULT_N = {
+    "niah": 10,
+    "niah_multikey": 4,
+    "niah_multivalue": 3,
+    "vt": 3,
+    "fidelity": 4,
+    "sanity": len(sanity.PROMPTS),
+}
+SHORT = 0  # the length recorded for sanity's short prompts (each has its own length)
+DEFAULT_DEPTHS = (0.1, 0.5, 0.9)
+
+
+def is_needle(task: str) -> bool:
+    return task in NEEDLE_TASKS
+
+
+def max_new_tokens(task: str) -> int:
+    if task == "sanity":
+        return sanity.MAX_NEW_TOKENS
+    return NEEDLE_NEW_TOKENS.get(task, 0)
+
+
+def parse_tasks(text: str) -> list[str]:
+    tasks = list(dict.fromkeys(t.strip() for t in text.split(",") if t.strip()))
+    if not tasks:
+        raise UserError(f"give at least one task; tasks: {', '.join(TASKS)}")
+    unknown = [t for t in tasks if t not in TASKS]
+    if unknown:
+        raise UserError(f"unknown task '{unknown[0]}'; tasks: {', '.join(TASKS)}")
+    return tasks
+
+
+def parse_n(text: str | None, tasks: list[str]) -> dict[str, int]:
+    """Samples per task: None (the defaults), one count for every task ('3'), or per task
+    ('niah=10,fidelity=4'; tasks not named keep their default)."""
+    counts = {t: DEFAULT_N[t] for t in tasks}
+    if text is None or not text.strip():
+        return counts
+    text = text.strip()
+    if "=" not in text:
+        return {t: _count(text, text) for t in tasks}
+    for part in text.split(","):
+        task, eq, value = (s.strip() for s in part.partition("="))
+        if not eq or task not in TASKS:
+            raise UserError(
+                f"--n must be a count or task=count pairs separated by commas, got '{text}'"
+            )
+        if task in counts:
+            counts[task] = _count(value, text)
+    return counts
+
+
+def _count(value: str, text: str) -> int:
+    try:
+        n = int(value)
+    except ValueError as err:
+        raise UserError(f"--n must be a whole number of samples, got '{text}'") from err
+    if n < 1:
+        raise UserError(f"--n must be at least 1 sample, got '{text}'")
+    return n
+
+
+def parse_depths(text: str) -> list[float]:
+    try:
+        depths = [float(x) for x in text.split(",") if x.strip()]
+    except ValueError as err:
+        raise UserError(f"depths must be fractions between 0 and 1, got '{text}'") from err
+    if not depths or any(not 0.0 <= d <= 1.0 for d in depths):
+        raise UserError(f"depths must be fractions between 0 and 1, got '{text}'")
+    return sorted(set(depths))

@@ -1,0 +1,53 @@
+"""The server's options, checked against the model before it starts serving."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from ..compat import ModelShape
+from ..errors import UserError
+from ..policy import make_policy, method_class, split_spec
+
+
+@dataclass
+class ServerConfig:
+    model_name: str  # the id clients send as `model` and /v1/models lists
+    method: str = "full"  # the method of requests that do not choose one
+    fixed_method: bool = False  # forbid per-request methods
+    max_batch: int = 16  # sequences decoding together
+    max_queue: int = 64  # sequences waiting for a batch slot; more get 429
+    max_prompt_tokens: int | None = None  # None: the model's context
+    max_tokens_limit: int | None = None  # largest max_tokens a request may ask; None: no cap
+    max_body_bytes: int = 4 * 2**20
+    api_key: str | None = None
+
+    def check(self) -> ServerConfig:
+        """Reject settings that are wrong for any model (UserError), before one is loaded."""
+        method_class(split_spec(self.method)[0])  # an unknown name fails here
+        if self.max_batch < 1:
+            raise UserError(f"max-batch must be at least 1, got {self.max_batch}")
+        if self.max_queue < 1:
+            raise UserError(f"max-queue must be at least 1, got {self.max_queue}")
+        if self.max_body_bytes < 1024:
+            raise UserError(f"max-body-bytes must be at least 1024, got {self.max_body_bytes}")
+        if self.max_prompt_tokens is not None and self.max_prompt_tokens < 1:
+            raise UserError(f"max-prompt-tokens must be at least 1, got {self.max_prompt_tokens}")
+        if self.max_tokens_limit is not None and self.max_tokens_limit < 1:
+            raise UserError(f"max-tokens-limit must be at least 1, got {self.max_tokens_limit}")
+        if self.api_key is not None and not self.api_key.strip():
+            raise UserError("the API key is empty; give a non-empty --api-key or leave it out")
+        return self
+
+    def validate(self, shape: ModelShape) -> ServerConfig:
+        """Resolve defaults against the model and reject impossible settings (UserError)."""
+        self.check()
+        context = shape.max_positions
+        if self.max_prompt_tokens is None:
+            self.max_prompt_tokens = context - 1
+        if not 1 <= self.max_prompt_tokens < context:
+            raise UserError(
+                f"max-prompt-tokens must be between 1 and {context - 1} (the model's context "
+                f"is {context}), got {self.max_prompt_tokens}"
+            )
+        self.method = make_policy(self.method, shape).spec()  # canonical, and checked
+        return self

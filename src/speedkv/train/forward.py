@@ -1,0 +1,190 @@
+"""The SPEED-aware teacher-forcing forward and its loss.
+
+One training example is a prompt followed by a response. Under SPEED the prompt positions are
+shallow (lower layers only), the anchors and the deep suffix of the prompt and every response
+position are deep, exactly as at inference. The efficient form runs the lower `lcut` layers
+over the whole sequence, then gathers the full-depth positions (with their original position
+ids) and runs the upper layers over those alone, so a SPEED step does less work than a full
+one. The layers are transformers' own (`Backbone.hf_layer`), so peft's LoRA-wrapped
+projections take part without any change.
+
+The LM head runs only on the rows that predict response tokens: on a 49K vocabulary the head
+over a whole 2K-token sequence would cost a fifth of the model and bias the speed comparison.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from ..compat import Backbone, ModelShape
+from ..dense import full_depth_positions
+from ..errors import UserError
+from ..policy import make_policy, split_spec
+
+
+@dataclass(frozen=True)
+class Visibility:
+    """Which positions run which layers during training, from a `full` or `speed` spec."""
+
+    spec: str  # canonical method spec
+    lcut: int  # layers every position runs; lcut == L is full attention
+    anchors: int  # leading prompt positions kept full depth
+    deep: int | str  # last prompt tokens kept full depth, or "header"
+    selfonly: bool = False
+
+    def deep_tokens(self, header_tokens: int | None) -> int:
+        """D for one example: the option, or its chat generation header's length."""
+        if self.deep == "header":
+            return max(1, header_tokens or 1)
+        return int(self.deep)
+
+
+TRAINABLE_METHODS = ("full", "speed")
+
+
+def check_trainable(spec: str) -> None:
+    """Fail early (before a model loads) on a method training has no rule for."""
+    name, _ = split_spec(spec)
+    if name not in TRAINABLE_METHODS:
+        raise UserError(
+            f"training supports the methods 'full' and 'speed', not '{name}'; "
+            "write e.g. --method 'speed:lcut=22,anchors=bos' or --method full"
+        )
+
+
+def visibility_for(spec: str, shape: ModelShape) -> Visibility:
+    """Parse a method spec for training; only `full` and `speed` have a training rule."""
+    check_trainable(spec)
+    policy = make_policy(spec, shape)
+    if policy.name == "full":
+        return Visibility(policy.spec(), shape.num_layers, 0, 1)
+    config = policy.config
+    return Visibility(policy.spec(), config.lcut, policy.num_anchors, config.deep, config.selfonly)
+
+
+def full_visibility(shape: ModelShape) -> Visibility:
+    return Visibility("full", shape.num_layers, 0, 1)
+
+
+def speed_hidden(
+    backbone: Backbone,
+    ids: torch.Tensor,
+    prompt_len: int,
+    vis: Visibility,
+    header_tokens: int | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Final-normed hidden states [m, H] at every full-depth position of `ids` [T], and
+    those positions [m]. With lcut == L every position is full depth."""
+    ids = ids.reshape(1, -1).to(backbone.device)
+    total = ids.shape[1]
+    pos = torch.arange(total, device=ids.device)
+    h = backbone.embed(ids)
+    layers = backbone.shape.num_layers
+    causal = (pos[None, :] <= pos[:, None])[None, None]
+    for layer in range(min(vis.lcut, layers)):
+        h = backbone.hf_layer(layer, h, causal, pos)
+    if vis.lcut < layers:
+        deep = vis.deep_tokens(header_tokens)
+        keep = full_depth_positions(total, prompt_len, vis.anchors, deep, ids.device)
+        h, pos = h[:, keep], pos[keep]
+        mask = pos[None, :] <= pos[:, None]
+        if vis.selfonly:  # upper-layer deep tokens see themselves and the anchors only
+            anchor_q = pos[:, None] < vis.anchors
+            mask &= anchor_q | (pos[None, :] == pos[:, None]) | (pos[None, :] < vis.anchors)
+        for layer in range(vis.lcut, layers):
+            h = backbone.hf_layer(layer, h, mask[None, None], pos)
+    return backbone.final_norm(h)[0], pos
+
+
+def response_logits(
+    backbone: Backbone,
+    ids: torch.Tensor,
+    prompt_len: int,
+    vis: Visibility,
+    header_tokens: int | None = None,
+) -> torch.Tensor:
+    """Float32 logits [R, vocab] of the rows predicting the response ids[prompt_len:]: the
+    last prompt token (always in the deep suffix) and every response token but the last."""
+    if not 1 <= prompt_len < ids.numel():
+        raise ValueError(f"prompt_len {prompt_len} leaves no prompt or no response")
+    h, pos = speed_hidden(backbone, ids, prompt_len, vis, header_tokens)
+    rows = (pos >= prompt_len - 1) & (pos < ids.numel() - 1)
+    return backbone.logits(h[rows])
+
+
+@dataclass
+class LossParts:
+    """The loss of one example and its parts, summed over its response tokens."""
+
+    loss_sum: torch.Tensor  # what is back-propagated (before division by the batch's tokens)
+    ce_sum: float
+    kl_sum: float
+    tokens: int
+
+
+def example_loss(
+    student: torch.Tensor,
+    targets: torch.Tensor,
+    teacher: torch.Tensor | None = None,
+    distill: float = 0.0,
+    temperature: float = 1.0,
+) -> LossParts:
+    """(1 - distill) * cross-entropy on the targets + distill * KL(teacher || student) at
+    `temperature` (scaled by T^2 so its gradient does not shrink with T), summed over tokens.
+
+    student, teacher: logits [R, vocab]; targets: [R] token ids.
+    """
+    targets = targets.to(student.device)
+    ce = F.cross_entropy(student, targets, reduction="sum")
+    loss = ce
+    kl_value = 0.0
+    if teacher is not None and distill > 0:
+        log_s = F.log_softmax(student / temperature, dim=-1)
+        log_t = F.log_softmax(teacher.to(student.device) / temperature, dim=-1)
+        kl = F.kl_div(log_s, log_t, log_target=True, reduction="sum") * temperature**2
+        loss = (1 - distill) * ce + distill * kl
+        kl_value = float(kl.detach())
+    return LossParts(loss, float(ce.detach()), kl_value, int(targets.numel()))
+
+
+class SpeedObjective(torch.nn.Module):
+    """The trained model as the HF Trainer (and DDP) see it: a peft model whose forward takes a
+    batch of examples and returns the SPEED teacher-forcing loss.
+
+    The loss is averaged over the batch's response tokens. With `distill > 0` the teacher is
+    the same model with its adapter disabled, at full depth, without gradients.
+    """
+
+    def __init__(self, peft_model, vis: Visibility, distill: float = 0.0, temperature: float = 1.0):
+        super().__init__()
+        self.peft = peft_model
+        self.vis = vis
+        self.distill = distill
+        self.temperature = temperature
+        self.backbone = Backbone(peft_model.base_model.model)
+        self.full = full_visibility(self.backbone.shape)
+
+    def forward(self, examples: list) -> dict:
+        parts = [self.example_parts(example) for example in examples]
+        tokens = sum(p.tokens for p in parts)
+        loss = sum(p.loss_sum for p in parts) / tokens
+        return {
+            "loss": loss,
+            "ce_sum": sum(p.ce_sum for p in parts),
+            "kl_sum": sum(p.kl_sum for p in parts),
+            "response_tokens": tokens,
+            "sequence_tokens": sum(int(e.ids.numel()) for e in examples),
+        }
+
+    def example_parts(self, example) -> LossParts:
+        args = (example.ids, example.prompt_len)
+        student = response_logits(self.backbone, *args, self.vis, example.header_tokens)
+        teacher = None
+        if self.distill > 0:
+            with torch.no_grad(), self.peft.disable_adapter():
+                teacher = response_logits(self.backbone, *args, self.full, example.header_tokens)
+        targets = example.ids[example.prompt_len :]
+        return example_loss(student, targets, teacher, self.distill, self.temperature)

@@ -1,0 +1,65 @@
+"""The loss curve of a run (and its probe curves, when probes ran) as a PNG."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+
+def plot_history(history: list[dict], path: Path, title: str) -> None:
+    """Loss (and its CE / KL parts) against steps, with wall minutes on a second axis;
+    a second panel for probe results if there are any."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    rows = [h for h in history if "loss" in h and "step" in h]
+    probes = [h for h in history if any(k.startswith("probe_") for k in h)]
+    panels = 2 if probes else 1
+    fig, axes = plt.subplots(panels, 1, figsize=(7, 3.6 * panels), squeeze=False)
+    ax = axes[0][0]
+    steps = [h["step"] for h in rows]
+    for key, label in (("loss", "loss"), ("ce", "cross-entropy"), ("kl", "KL to full depth")):
+        values = [h.get(key) for h in rows]
+        if any(v is not None for v in values) and (key == "loss" or "kl" in rows[0]):
+            ax.plot(steps, values, label=label, linewidth=1.2)
+    ax.set_xlabel("optimizer step")
+    ax.set_ylabel("loss per response token")
+    ax.set_title(title, fontsize=9)
+    ax.grid(alpha=0.3)
+    if ax.get_legend_handles_labels()[0]:
+        ax.legend(fontsize=8)
+    else:
+        ax.text(0.5, 0.5, "no loss logged yet", ha="center", transform=ax.transAxes)
+    if rows and rows[-1].get("wall_s"):
+        minutes = rows[-1]["wall_s"] / 60
+        ax.text(
+            0.99,
+            0.97,
+            f"{steps[-1]} steps in {minutes:.1f} min",
+            ha="right",
+            va="top",
+            transform=ax.transAxes,
+            fontsize=8,
+        )
+    if probes:
+        left = axes[1][0]
+        right = left.twinx()  # accuracies on the left, perplexity on the right
+        keys = sorted({k for h in probes for k in h if k.startswith("probe_")})
+        for index, key in enumerate(keys):
+            points = [(h["step"], h[key]) for h in probes if key in h]
+            axis = left if key.endswith("_acc") else right
+            axis.plot(*zip(*points), marker="o", color=f"C{index}", label=key[len("probe_") :])
+        left.set_ylim(-0.05, 1.05)
+        left.set_ylabel("accuracy")
+        right.set_ylabel("perplexity")
+        left.set_xlabel("optimizer step")
+        left.set_title("probes on calibration text (never eval)", fontsize=9)
+        left.grid(alpha=0.3)
+        handles = left.get_legend_handles_labels()
+        extra = right.get_legend_handles_labels()
+        left.legend(handles[0] + extra[0], handles[1] + extra[1], fontsize=8)
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=110)
+    plt.close(fig)

@@ -1,0 +1,87 @@
+"""A quick quality probe during training, on calibration text (never evaluation text):
+passkey retrieval through the engine's real SPEED prefill and decode, and continuation
+perplexity through the teacher-forcing forward. Its curve against steps shows when a run
+has learnt what it needs (checkpoints are judged later by the evaluation harness)."""
+
+from __future__ import annotations
+
+import math
+import random
+
+import torch
+
+from ..haystack import plant
+from ..models import LoadedModel
+from .data import tokenize_record
+from .forward import Visibility, response_logits
+from .tasks import PASSKEY_FACTS, TextSource, continuation
+
+PROBE_QUESTION = "What is the pass key?"
+
+
+class Probe:
+    def __init__(self, tokenizer, vis: Visibility, seq_len: int, every: int, seed: int, n: int = 4):
+        self.tokenizer = tokenizer
+        self.vis = vis
+        self.every = every
+        rng = random.Random(seed + 7919)
+        source = TextSource(tokenizer, split="calib")
+        self.passkeys = []
+        for _ in range(n):
+            key = str(rng.randrange(10000, 100000))
+            text = plant(
+                source.text(rng, seq_len - 96), PASSKEY_FACTS[0].format(num=key), rng.random()
+            )
+            record = {
+                "messages": [
+                    {"role": "user", "content": f"{text}\n\n{PROBE_QUESTION}"},
+                    {"role": "assistant", "content": key},
+                ]
+            }
+            example = tokenize_record(tokenizer, record)
+            self.passkeys.append((example, key))
+        self.texts = [
+            tokenize_record(tokenizer, continuation(rng, source, seq_len - 256)) for _ in range(n)
+        ]
+
+    def merged_copy(self, peft_model) -> LoadedModel:
+        """The model as inference will run it: adapter merged into a copy of the weights, in
+        the dtype the engine would choose."""
+        import copy
+
+        from ..models import resolve_dtype
+
+        merged = copy.deepcopy(peft_model).merge_and_unload().eval()
+        merged.to(resolve_dtype("auto", next(merged.parameters()).device))
+        return LoadedModel("training", merged, self.tokenizer, "")
+
+    @torch.no_grad()
+    def run(self, objective) -> dict:
+        from ..engine import Engine, Request
+        from ..policy import make_policy
+        from ..sampling import SamplingParams
+
+        model = self.merged_copy(objective.peft)
+        engine = Engine(model)
+        requests = [
+            Request(
+                example.ids[: example.prompt_len].tolist(),
+                make_policy(self.vis.spec, engine.shape),
+                SamplingParams(max_new_tokens=16),
+                example.header_tokens,
+            )
+            for example, _ in self.passkeys
+        ]
+        found = [
+            key in result.text for result, (_, key) in zip(engine.generate(requests), self.passkeys)
+        ]
+        nll = tokens = 0.0
+        for example in self.texts:
+            logits = response_logits(model.backbone, example.ids, example.prompt_len, self.vis)
+            targets = example.ids[example.prompt_len :].to(logits.device)
+            nll += float(torch.nn.functional.cross_entropy(logits, targets, reduction="sum"))
+            tokens += targets.numel()
+        return {
+            "probe_passkey_acc": sum(found) / len(found),
+            "probe_ppl": round(math.exp(nll / tokens), 3),
+        }

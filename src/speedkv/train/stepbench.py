@@ -1,0 +1,130 @@
+"""Tokens per second of a training step under each method, on the same batch.
+
+The methods run interleaved in one process (full first in every round), so the ratios
+compare like with like on a shared machine. A step is the forward and backward of the
+teacher-forcing loss over the batch (the optimizer update is the same for every method and
+negligible next to it).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import statistics
+import time
+
+import torch
+from tqdm import tqdm
+
+from .data import Example
+from .forward import SpeedObjective, visibility_for
+from .tasks import TextSource
+
+
+def fixed_batch(
+    tokenizer, count: int, seq_len: int, response_len: int = 128, seed: int = 0
+) -> list[Example]:
+    """`count` examples of exactly `seq_len` tokens of training-essay text, the last
+    `response_len` of them the response: every method sees the same work."""
+    import random
+
+    rng = random.Random(seed)
+    source = TextSource(tokenizer)
+    batch = []
+    for _ in range(count):
+        ids = tokenizer(source.text(rng, seq_len + 64), add_special_tokens=True)["input_ids"]
+        ids = torch.tensor(ids[:seq_len], dtype=torch.long)
+        batch.append(Example(ids, seq_len - response_len, None, "bench"))
+    return batch
+
+
+def layer_token_ratio(shape, vis, batch: list[Example]) -> float:
+    """Rows the SPEED forward runs through decoder layers, as a share of a full forward's:
+    lcut * T + (L - lcut) * (anchors + deep + response), summed over the batch."""
+    layers = shape.num_layers
+    full = sum(layers * int(e.ids.numel()) for e in batch)
+    deep = sum(
+        min(int(e.ids.numel()), vis.anchors + vis.deep_tokens(e.header_tokens) + e.response_len)
+        for e in batch
+    )
+    speed = sum(vis.lcut * int(e.ids.numel()) for e in batch) + (layers - vis.lcut) * deep
+    return speed / full if vis.lcut < layers else 1.0
+
+
+def measure_step_speed(
+    peft_model,
+    methods: list[str],
+    batch: list[Example],
+    repeats: int = 3,
+    distill: float = 0.0,
+    bf16: bool = True,
+) -> dict:
+    """Median step time and tokens/s per method (canonical spec), plus each one's speed-up
+    over the first method."""
+    objectives = {}
+    for spec in methods:
+        vis = visibility_for(spec, _shape(peft_model))
+        objectives[vis.spec] = SpeedObjective(peft_model, vis, distill)
+    shares = {
+        spec: layer_token_ratio(_shape(peft_model), o.vis, batch) for spec, o in objectives.items()
+    }
+    tokens = sum(int(e.ids.numel()) for e in batch)
+    times: dict[str, list[float]] = {spec: [] for spec in objectives}
+    cpu: dict[str, list[float]] = {spec: [] for spec in objectives}
+    rounds = repeats + 1  # the first round warms up and is not counted
+    bar = tqdm(total=rounds * len(objectives), desc="training steps", leave=False)
+    for round_index in range(rounds):
+        for spec, objective in objectives.items():
+            start, start_cpu = time.perf_counter(), time.process_time()
+            with _autocast(bf16):
+                loss = objective(batch)["loss"]
+            loss.backward()
+            peft_model.zero_grad(set_to_none=True)
+            if round_index > 0:
+                times[spec].append(time.perf_counter() - start)
+                cpu[spec].append(time.process_time() - start_cpu)
+            bar.update(1)
+    bar.close()
+    baseline = next(iter(objectives))
+    base_time = statistics.median(times[baseline])
+    base_cpu = statistics.median(cpu[baseline])
+    rows = []
+    for spec, values in times.items():
+        median = statistics.median(values)
+        median_cpu = statistics.median(cpu[spec])
+        rows.append(
+            {
+                "method": spec,
+                "step_s": round(median, 3),
+                "step_s_all": [round(v, 3) for v in values],
+                "tokens_per_s": round(tokens / median, 1),
+                "speedup": round(base_time / median, 3),
+                # CPU seconds of this process: steadier than wall time on a shared machine
+                "cpu_s": round(median_cpu, 3),
+                "cpu_speedup": round(base_cpu / median_cpu, 3),
+                # the work a step does in decoder layers, against full (exact, no timing)
+                "layer_token_share": round(shares[spec], 4),
+            }
+        )
+    return {
+        "baseline": baseline,
+        "batch_examples": len(batch),
+        "batch_tokens": tokens,
+        "response_tokens": sum(e.response_len for e in batch),
+        "repeats": repeats,
+        "distill": distill,
+        "bf16_autocast": bf16,
+        "rows": rows,
+    }
+
+
+def _shape(peft_model):
+    from ..compat import shape_of
+
+    return shape_of(peft_model.base_model.model.config)
+
+
+def _autocast(bf16: bool):
+    if not bf16:
+        return contextlib.nullcontext()
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    return torch.autocast(device, dtype=torch.bfloat16)

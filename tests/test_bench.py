@@ -1,0 +1,78 @@
+"""`speedkv bench` on the real model at toy lengths: cells, exact KV ratios, outputs, resume."""
+
+import json
+
+import pytest
+
+from speedkv.bench import Bench, BenchConfig, bench_prompt, parse_lengths, parse_methods
+from speedkv.errors import UserError
+
+pytestmark = pytest.mark.real_model
+
+SPECS = ["full", "speed:lcut=22,anchors=bos"]
+
+
+def test_prompts_have_the_exact_length_and_chat_framing(smollm2):
+    ids = bench_prompt(smollm2.tokenizer, 300)
+    assert len(ids) == 300 and ids[0] == smollm2.tokenizer.bos_token_id
+
+
+def test_cells_ratios_and_outputs(smollm2, tmp_path):
+    config = BenchConfig(
+        model="smollm2-135m", methods=SPECS, lengths=[96, 160], new_tokens=3, repeats=2
+    )
+    result = Bench(smollm2, config, tmp_path).run(resume=False, progress=False)
+    cells = {(c["method"], c["length"]): c for c in result["cells"]}
+    speed = "speed:lcut=22,anchors=bos,deep=1,selfonly=false"
+    assert set(cells) == {(m, n) for m in ("full", speed) for n in (96, 160)}
+    for n in (96, 160):
+        full, cut = cells[("full", n)], cells[(speed, n)]
+        assert full["ttft_ratio"] == full["tpot_ratio"] == full["kv_ratio"] == 1.0
+        assert cut["kv_ratio"] == pytest.approx((22 * n + 8 * 2) / (30 * n))
+        assert cut["flops_prefill_ratio"] < 1.0 and cut["repeats"] == 2
+        for key in ("ttft_s", "tpot_s", "kv_bytes", "kv_bytes_final", "peak_rss_bytes"):
+            assert cut[key + "_min"] <= cut[key] <= cut[key + "_max"]
+    for name in (
+        "results.json",
+        "results.csv",
+        "table.md",
+        "report.md",
+        "efficiency.png",
+        "ttft.png",
+        "tpot.png",
+        "kv.png",
+        "runs.jsonl",
+    ):
+        assert (tmp_path / name).exists(), name
+    saved = json.loads((tmp_path / "results.json").read_text())
+    assert saved["machine"]["torch"] and saved["config"]["repeats"] == 2
+
+
+def test_resume_measures_only_missing_runs(smollm2, tmp_path):
+    def config(repeats):
+        return BenchConfig(
+            model="smollm2-135m", methods=SPECS, lengths=[80], new_tokens=2, repeats=repeats
+        )
+
+    Bench(smollm2, config(1), tmp_path).run(resume=False, progress=False)
+    assert len((tmp_path / "runs.jsonl").read_text().splitlines()) == 1 + 2
+    result = Bench(smollm2, config(2), tmp_path).run(resume=True, progress=False)
+    lines = (tmp_path / "runs.jsonl").read_text().splitlines()
+    assert len(lines) == 1 + 4  # the header, repeat 0 kept, repeat 1 added
+    assert all(c["repeats"] == 2 for c in result["cells"])
+    other = BenchConfig(model="smollm2-135m", methods=SPECS, lengths=[80], new_tokens=5, repeats=2)
+    with pytest.raises(UserError, match="other settings"):
+        Bench(smollm2, other, tmp_path).run(resume=True, progress=False)
+
+
+def test_bad_arguments(smollm2, tmp_path):
+    with pytest.raises(UserError, match="longer than the model's context"):
+        Bench(smollm2, BenchConfig("m", SPECS, [9000]), tmp_path)
+    with pytest.raises(UserError, match="repeats must be at least 1"):
+        Bench(smollm2, BenchConfig("m", SPECS, [100], repeats=0), tmp_path)
+    with pytest.raises(UserError, match="unknown method"):
+        Bench(smollm2, BenchConfig("m", ["full", "nosuch"], [100]), tmp_path)
+    with pytest.raises(UserError, match="lengths must be"):
+        parse_lengths("1024,abc")
+    with pytest.raises(UserError, match="at least one method"):
+        parse_methods(" ; ")

@@ -1,0 +1,411 @@
+"""SPEED-aware training: the teacher-forcing forward against the engine, the loss, the data
+mix, adapters, and a whole run (with resumption) on a tiny model."""
+
+from __future__ import annotations
+
+import copy
+import json
+import sys
+
+import pytest
+import torch
+
+from speedkv.engine import Engine
+from speedkv.errors import UserError
+from speedkv.models import LoadedModel
+from speedkv.policy import make_policy
+from speedkv.train.forward import (
+    SpeedObjective,
+    example_loss,
+    response_logits,
+    speed_hidden,
+    visibility_for,
+)
+
+from conftest import random_prompt
+
+SPECS = [
+    "full",
+    "speed:lcut=0,anchors=bos",
+    "speed:lcut=3,anchors=none,deep=4",
+    "speed:lcut=5,anchors=sink:4,selfonly=true",
+    "speed:lcut=2,anchors=bos,deep=header",
+]
+HEADER = 3  # generation-header length passed for deep=header
+
+
+def engine_response_logits(engine: Engine, spec: str, prompt: list[int], response: list[int]):
+    """Logits predicting each response token through the engine's real prefill and decode."""
+    policy = make_policy(spec, engine.shape)
+    done = engine.prefill(prompt, policy, spare=len(response), header_tokens=HEADER)
+    rows = [done.logits]
+    for i, token in enumerate(response[:-1]):
+        position = done.next_position + i
+        rows.append(engine.decode_step([done.cache], [policy], [token], [position])[0])
+    return torch.stack(rows)
+
+
+def lora_copy(loaded: LoadedModel, seed: int = 0):
+    """A peft LoRA model on a copy of `loaded`, with random (non-zero) A and B."""
+    from peft import LoraConfig, get_peft_model
+
+    torch.manual_seed(seed)
+    config = LoraConfig(
+        r=4,
+        lora_alpha=8,
+        target_modules=[
+            "q_proj",
+            "k_proj",
+            "v_proj",
+            "o_proj",
+            "gate_proj",
+            "up_proj",
+            "down_proj",
+        ],
+        init_lora_weights=False,
+    )
+    return get_peft_model(copy.deepcopy(loaded.hf_model), config)
+
+
+# -- the forward --------------------------------------------------------------------------------
+@pytest.mark.parametrize("spec", SPECS)
+def test_training_forward_equals_engine_logits(tiny, tiny_engine, spec):
+    prompt, response = random_prompt(40, seed=3), random_prompt(9, seed=4)
+    expected = engine_response_logits(tiny_engine, spec, prompt, response)
+    vis = visibility_for(spec, tiny.shape)
+    ids = torch.tensor(prompt + response)
+    got = response_logits(tiny.backbone, ids, len(prompt), vis, header_tokens=HEADER)
+    assert got.shape == expected.shape == (len(response), tiny.shape.vocab_size)
+    assert torch.allclose(got, expected, atol=1e-4, rtol=0), (got - expected).abs().max()
+
+
+def test_lora_training_forward_equals_engine_on_merged_adapter(tiny, tmp_path):
+    """What is trained (LoRA live in the forward) is what runs (adapter merged, engine)."""
+    from speedkv.train.adapters import apply_adapter
+
+    spec = "speed:lcut=3,anchors=bos"
+    peft_model = lora_copy(tiny)
+    peft_model.save_pretrained(tmp_path)
+    merged = apply_adapter(tiny, tmp_path, spec)
+    prompt, response = random_prompt(30, seed=5), random_prompt(6, seed=6)
+    expected = engine_response_logits(Engine(merged, chunk_size=16), spec, prompt, response)
+    objective = SpeedObjective(peft_model, visibility_for(spec, tiny.shape))
+    with torch.no_grad():
+        got = response_logits(
+            objective.backbone, torch.tensor(prompt + response), 30, objective.vis
+        )
+    base = engine_response_logits(Engine(tiny, chunk_size=16), spec, prompt, response)
+    assert not torch.allclose(base, expected, atol=1e-2)  # the adapter changes the answer
+    assert torch.allclose(got, expected, atol=1e-4, rtol=0), (got - expected).abs().max()
+
+
+def test_upper_layers_run_only_anchors_and_deep_positions(tiny, monkeypatch):
+    rows = []
+    original = tiny.backbone.hf_layer
+
+    def counting(layer, h, mask, positions):
+        rows.append(h.shape[1])
+        return original(layer, h, mask, positions)
+
+    monkeypatch.setattr(tiny.backbone, "hf_layer", counting)
+    vis = visibility_for("speed:lcut=2,anchors=sink:4,deep=3", tiny.shape)
+    h, pos = speed_hidden(tiny.backbone, torch.tensor(random_prompt(60)), 50, vis)
+    deep = 4 + 3 + 10  # anchors + deep suffix + response
+    assert rows == [60, 60] + [deep] * 4
+    assert pos.tolist() == [0, 1, 2, 3, 47, 48, 49] + list(range(50, 60))
+    assert h.shape == (deep, tiny.shape.hidden_size)
+
+
+@pytest.mark.parametrize("spec", ["speed:lcut=3,anchors=bos", "full"])
+def test_gradients_reach_lora_in_every_layer(tiny, spec):
+    from speedkv.train.data import Example
+
+    peft_model = lora_copy(tiny)
+    objective = SpeedObjective(peft_model, visibility_for(spec, tiny.shape), distill=0.5)
+    ids = torch.tensor(random_prompt(30, seed=8))
+    out = objective([Example(ids, 24, None, "test")])
+    out["loss"].backward()
+    assert out["response_tokens"] == 6 and out["sequence_tokens"] == 30
+    for layer in range(tiny.shape.num_layers):
+        grads = [
+            p.grad
+            for name, p in peft_model.named_parameters()
+            if f"layers.{layer}." in name and "lora_" in name
+        ]
+        assert grads and all(g is not None and g.abs().sum() > 0 for g in grads), layer
+
+
+def test_loss_is_cross_entropy_kl_mix():
+    torch.manual_seed(0)
+    student, teacher = torch.randn(5, 11), torch.randn(5, 11)
+    targets = torch.tensor([1, 2, 3, 4, 5])
+    ce = torch.nn.functional.cross_entropy(student, targets, reduction="sum")
+    p_t = teacher.softmax(-1)
+    kl = (p_t * (p_t.log() - student.log_softmax(-1))).sum()
+    plain = example_loss(student, targets)
+    assert torch.isclose(plain.loss_sum, ce) and plain.kl_sum == 0 and plain.tokens == 5
+    mixed = example_loss(student, targets, teacher, distill=0.25)
+    assert torch.isclose(mixed.loss_sum, 0.75 * ce + 0.25 * kl, atol=1e-5)
+    assert mixed.kl_sum == pytest.approx(float(kl), rel=1e-5)
+    same = example_loss(student, targets, student.clone(), distill=1.0, temperature=2.0)
+    assert float(same.loss_sum) == pytest.approx(0.0, abs=1e-5)
+
+
+def test_only_full_and_speed_can_be_trained(tiny):
+    with pytest.raises(UserError, match="supports the methods 'full' and 'speed'"):
+        visibility_for("pop:lcut=3", tiny.shape)
+    full = visibility_for("full", tiny.shape)
+    assert full.lcut == tiny.shape.num_layers
+    speed = visibility_for("speed:lcut=2,anchors=sink:3,deep=header", tiny.shape)
+    assert (speed.lcut, speed.anchors, speed.deep) == (2, 3, "header")
+    assert speed.spec == "speed:lcut=2,anchors=sink:3,deep=header,selfonly=false"
+
+
+# -- data -------------------------------------------------------------------------------------
+@pytest.fixture(scope="session")
+def smol_tokenizer():
+    from transformers import AutoTokenizer
+
+    from speedkv.models import EMBEDDED, convert_gguf
+
+    parts = EMBEDDED["smollm2-135m"].part_paths()
+    if parts is None:
+        pytest.skip("the embedded SmolLM2 package is not installed")
+    return AutoTokenizer.from_pretrained(convert_gguf(parts[0], progress=False))
+
+
+def test_mix_spec_parsing():
+    from speedkv.train.data import DEFAULT_WEIGHTS, parse_mix
+
+    assert parse_mix("builtin") == DEFAULT_WEIGHTS
+    assert parse_mix("data.jsonl") is None and parse_mix("builtin-mix.jsonl") is None
+    weights = parse_mix("builtin:needle=3,instruct=0")
+    assert weights["needle"] == 3 and weights["instruct"] == 0
+    assert weights["continue"] == DEFAULT_WEIGHTS["continue"]
+    for bad, message in [
+        ("builtin:nosuch=1", "no task 'nosuch'"),
+        ("builtin:needle=x", "must be a number"),
+        ("builtin:needle=-1", "must be >= 0"),
+        (
+            "builtin:needle=0,passkey=0,kv=0,vartrack=0,continue=0,instruct=0",
+            "at least one task",
+        ),
+    ]:
+        with pytest.raises(UserError, match=message):
+            parse_mix(bad)
+
+
+def test_builtin_mix_is_seeded_fits_and_uses_training_essays_only(smol_tokenizer):
+    from speedkv.haystack import essays, sentences, split_names
+    from speedkv.train.data import DEFAULT_WEIGHTS, build_mix, tokenize_all
+    from speedkv.train.tasks import TextSource
+
+    def answer(conversations):
+        return [("An answer.", True) for _ in conversations]
+
+    args = (smol_tokenizer, 24, DEFAULT_WEIGHTS, 700)
+    first = build_mix(*args, seed=1, responder=answer, progress=False)
+    assert first == build_mix(*args, seed=1, responder=answer, progress=False)
+    assert first != build_mix(*args, seed=2, responder=answer, progress=False)
+    examples, dropped = tokenize_all(smol_tokenizer, first, 700)
+    assert dropped == 0 and len(examples) == 24
+    assert all(e.prompt_len >= 1 and e.response_len >= 1 for e in examples)
+    assert {e.kind for e in examples} <= set(DEFAULT_WEIGHTS)
+    train = split_names("train")
+    assert TextSource(smol_tokenizer).pool == [s for n in train for s in sentences(essays()[n])]
+    assert not set(train) & set(split_names("eval"))
+
+
+def test_chat_and_raw_records_tokenise_as_inference_does(smol_tokenizer):
+    from speedkv.textio import encode_messages
+    from speedkv.train.data import tokenize_record
+
+    tok = smol_tokenizer
+    user = [{"role": "user", "content": "What is the pass key?"}]
+    record = {"kind": "t", "messages": user + [{"role": "assistant", "content": "It is 42."}]}
+    example = tokenize_record(tok, record)
+    encoded = encode_messages(tok, user)
+    assert example.ids[: example.prompt_len].tolist() == encoded.ids
+    assert example.header_tokens == encoded.header_tokens
+    assert tok.decode(example.ids[example.prompt_len :]) == "It is 42.<|im_end|>"
+    cut = tokenize_record(tok, {**record, "eos": False})
+    assert tok.decode(cut.ids[cut.prompt_len :]) == "It is 42."
+    raw = tokenize_record(tok, {"prompt": "Once upon a time", "response": " there was"})
+    assert raw.ids.tolist() == tok("Once upon a time")["input_ids"] + tok(" there was")["input_ids"]
+    assert raw.prompt_len == len(tok("Once upon a time")["input_ids"]) and raw.header_tokens is None
+
+
+def test_user_jsonl_is_validated_line_by_line(tmp_path):
+    from speedkv.train.data import read_jsonl
+
+    good = {"messages": [{"role": "user", "content": "a"}, {"role": "assistant", "content": "b"}]}
+    path = tmp_path / "data.jsonl"
+    path.write_text(json.dumps(good) + "\n\n" + json.dumps({"prompt": "x", "response": "y"}) + "\n")
+    assert [r["kind"] for r in read_jsonl(path)] == ["chat", "raw"]
+    cases = [
+        ("{not json", "data.jsonl:2 is not valid JSON"),
+        (json.dumps({"messages": good["messages"][:1]}), "ending with the assistant"),
+        (json.dumps({"text": "x"}), "needs 'messages'"),
+        (json.dumps([1, 2]), "must be a JSON object"),
+    ]
+    for line, message in cases:
+        path.write_text(json.dumps(good) + "\n" + line + "\n")
+        with pytest.raises(UserError, match=message):
+            read_jsonl(path)
+    with pytest.raises(UserError, match="does not exist"):
+        read_jsonl(tmp_path / "missing.jsonl")
+
+
+# -- adapters ---------------------------------------------------------------------------------
+def test_adapter_method_mismatch_warns_and_shape_mismatch_refuses(tiny, tmp_path, capsys):
+    from speedkv.train.adapters import INFO_NAME, apply_adapter, read_adapter_info
+
+    lora_copy(tiny).save_pretrained(tmp_path)
+    spec = "speed:lcut=3,anchors=bos,deep=1,selfonly=false"
+    record = {"method": spec, "model_shape": {"num_layers": tiny.shape.num_layers}}
+    (tmp_path / INFO_NAME).write_text(json.dumps(record))
+    assert read_adapter_info(tmp_path)["method"] == spec
+    apply_adapter(tiny, tmp_path, "speed:lcut=3")  # the same method, spelt shorter
+    assert "warning" not in capsys.readouterr().err
+    merged = apply_adapter(tiny, tmp_path, "full")
+    assert f"trained for '{spec}' but runs with 'full'" in capsys.readouterr().err
+    assert merged.hf_model is not tiny.hf_model
+    (tmp_path / INFO_NAME).write_text(json.dumps({**record, "model_shape": {"num_layers": 99}}))
+    with pytest.raises(UserError, match="num_layers=99"):
+        apply_adapter(tiny, tmp_path)
+    with pytest.raises(UserError, match="no adapter_config.json"):
+        read_adapter_info(tmp_path / "nowhere")
+
+
+# -- a whole run ------------------------------------------------------------------------------
+@pytest.fixture(scope="session")
+def tiny_model_dir(tmp_path_factory, smol_tokenizer):
+    """A tiny random Llama with SmolLM2's tokenizer, saved as an HF directory."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    config = LlamaConfig(
+        vocab_size=len(smol_tokenizer),
+        hidden_size=32,
+        intermediate_size=48,
+        num_hidden_layers=4,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=2048,
+        eos_token_id=smol_tokenizer.eos_token_id,
+        tie_word_embeddings=True,
+    )
+    path = tmp_path_factory.mktemp("tiny-model")
+    LlamaForCausalLM(config).save_pretrained(path)
+    smol_tokenizer.save_pretrained(path)
+    return path
+
+
+def adapter_weights(path) -> dict:
+    from safetensors.torch import load_file
+
+    return load_file(str(path / "adapter_model.safetensors"))
+
+
+def test_a_run_trains_checkpoints_and_resumes_exactly(tiny_model_dir, tmp_path):
+    from speedkv.train.trainer import TrainConfig, run_training
+
+    def config(out):
+        return TrainConfig(
+            out=str(out),
+            model=str(tiny_model_dir),
+            method="speed:lcut=2,anchors=bos",
+            data="builtin",
+            steps=4,
+            seq_len=512,
+            save_every=2,
+            log_every=1,
+            probe_every=2,
+            distill=0.5,
+            bf16=False,
+            save_dtype="float32",
+        )
+
+    out = tmp_path / "run"
+    record = run_training(config(out))
+    assert record["status"] == "done" and record["steps"] == 4
+    assert record["method"] == "speed:lcut=2,anchors=bos,deep=1,selfonly=false"
+    assert record["data"]["records"] == 4 and record["tokens_per_s"] > 0
+    losses = [h for h in record["log_history"] if "loss" in h]
+    assert [h["step"] for h in losses] == [1, 2, 3, 4]
+    assert all("ce" in h and "kl" in h and "wall_s" in h for h in losses)
+    probes = [h for h in record["log_history"] if "probe_passkey_acc" in h]
+    assert [h["step"] for h in probes] == [0, 2, 4]  # before training, then every 2 steps
+    assert all(0 <= h["probe_passkey_acc"] <= 1 and h["probe_ppl"] > 1 for h in probes)
+    for name in ("adapter_config.json", "training.json", "loss.png", "data.jsonl", "run.json"):
+        assert (out / name).is_file(), name
+    assert (out / "checkpoints" / "checkpoint-2" / "training.json").is_file()
+    finished = adapter_weights(out)
+
+    with pytest.raises(UserError, match="already holds a training run"):
+        run_training(config(out))
+    changed = config(out)
+    changed.lr = 1e-3
+    with pytest.raises(UserError, match="these differ: lr"):
+        run_training(changed, resume=True)
+
+    # lose everything after step 2, resume: the same adapter comes out
+    import shutil
+
+    shutil.rmtree(out / "checkpoints" / "checkpoint-4")
+    (out / "adapter_model.safetensors").unlink()
+    resumed = run_training(config(out), resume=True)
+    assert resumed["steps"] == 4
+    again = adapter_weights(out)
+    assert finished.keys() == again.keys()
+    for key in finished:
+        assert torch.allclose(finished[key], again[key], atol=1e-6), key
+
+
+def test_cli_rejects_bad_training_options_before_loading(monkeypatch, capsys, tmp_path):
+    from speedkv import cli
+
+    cases = [
+        (["--method", "pop:lcut=20"], "supports the methods 'full' and 'speed'"),
+        (["--method", "speed:lcut"], "malformed method spec"),
+        (["--distill", "2"], "distill must be in [0, 1]"),
+        (["--data", "builtin:nosuch=1"], "no task 'nosuch'"),
+        (["--data", str(tmp_path / "none.jsonl")], "neither"),
+        (["--lora-r", "0"], "lora-r must be at least 1"),
+        (["--target-modules", ","], "target-modules must name"),
+        (["--save-dtype", "float16"], "save-dtype must be"),
+    ]
+    for extra, message in cases:
+        monkeypatch.setattr(sys, "argv", ["speedkv", "train", "--out", str(tmp_path / "x"), *extra])
+        with pytest.raises(SystemExit) as stop:
+            cli.main()
+        err = capsys.readouterr().err
+        assert stop.value.code == 2 and message in err and "Traceback" not in err, err
+
+
+def test_layer_token_share_counts_what_speed_skips(tiny):
+    from speedkv.train.data import Example
+    from speedkv.train.stepbench import layer_token_ratio
+
+    batch = [Example(torch.arange(100), 90, None, "t"), Example(torch.arange(50), 40, 4, "t")]
+    vis = visibility_for("speed:lcut=2,anchors=bos,deep=header", tiny.shape)
+    # lcut * T + (L - lcut) * (anchor + header + response) per example, over L * T
+    expected = (2 * 150 + 4 * ((1 + 1 + 10) + (1 + 4 + 10))) / (6 * 150)
+    assert layer_token_ratio(tiny.shape, vis, batch) == pytest.approx(expected)
+    assert layer_token_ratio(tiny.shape, visibility_for("full", tiny.shape), batch) == 1.0
+
+
+@pytest.mark.real_model
+def test_training_forward_matches_engine_on_smollm2(smollm2):
+    from speedkv.haystack import haystack_text
+
+    text = haystack_text(smollm2.tokenizer, 400, split="calib")
+    ids = smollm2.tokenizer(text)["input_ids"]
+    prompt, response = ids[:380], ids[380:400]
+    spec = "speed:lcut=22,anchors=bos"
+    expected = engine_response_logits(Engine(smollm2), spec, prompt, response)
+    vis = visibility_for(spec, smollm2.shape)
+    with torch.no_grad():
+        got = response_logits(smollm2.backbone, torch.tensor(prompt + response), 380, vis)
+    assert torch.equal(got.argmax(-1), expected.argmax(-1))
+    assert torch.allclose(got, expected, atol=2e-3, rtol=0), (got - expected).abs().max()
