@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+import sys
+
 import torch
 
+from speedkv import cli
 from speedkv.engine import Engine
 from speedkv.policy import Policy
 
@@ -18,3 +21,18 @@ def greedy_with_logits(engine: Engine, ids: list[int], policy: Policy, steps: in
         rows.append(row)
         tokens.append(int(row.argmax()))
     return tokens, torch.stack(rows), cache
+
+
+def run_cli(args, monkeypatch, capsys, model=None):
+    """Run `speedkv ARGS` in this process (with `model` instead of loading one, if given);
+    return (exit code, stdout, stderr)."""
+    if model is not None:
+        monkeypatch.setattr("speedkv.models.load_model", lambda *a, **k: model)
+    monkeypatch.setattr(sys, "argv", ["speedkv", *args])
+    code = 0
+    try:
+        cli.main()
+    except SystemExit as stop:
+        code = stop.code
+    out = capsys.readouterr()
+    return code, out.out, out.err

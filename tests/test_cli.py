@@ -1,25 +1,10 @@
 """The command line: JSON output on the real model, and one clear sentence + exit 2 on bad input."""
 
 import json
-import sys
 
 import pytest
 
-from speedkv import cli
-
-
-def run_cli(args, monkeypatch, capsys, model=None):
-    """Run `speedkv ARGS` in this process; return (exit code, stdout, stderr)."""
-    if model is not None:
-        monkeypatch.setattr("speedkv.models.load_model", lambda *a, **k: model)
-    monkeypatch.setattr(sys, "argv", ["speedkv", *args])
-    code = 0
-    try:
-        cli.main()
-    except SystemExit as stop:
-        code = stop.code
-    out = capsys.readouterr()
-    return code, out.out, out.err
+from helpers import run_cli
 
 
 @pytest.mark.parametrize(

@@ -4,13 +4,11 @@ the runner's records, resume and determinism, the report, and the CLI's errors."
 from __future__ import annotations
 
 import json
-import sys
 
 import pytest
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
-from speedkv import cli
 from speedkv.dense import speed_dense_forward
 from speedkv.errors import UserError
 from speedkv.evals import fidelity, needles, sanity
@@ -29,6 +27,7 @@ from speedkv.models import EMBEDDED, LoadedModel, convert_gguf
 from speedkv.policy import make_policy
 
 from conftest import random_prompt
+from helpers import run_cli
 
 DEPTHS = [0.1, 0.5, 0.9]
 
@@ -327,19 +326,6 @@ def test_summary_and_markdown_table():
 
 
 # -- the command line -----------------------------------------------------------------------
-def run_cli(args, monkeypatch, capsys, model=None):
-    if model is not None:
-        monkeypatch.setattr("speedkv.models.load_model", lambda *a, **k: model)
-    monkeypatch.setattr(sys, "argv", ["speedkv", *args])
-    code = 0
-    try:
-        cli.main()
-    except SystemExit as stop:
-        code = stop.code
-    out = capsys.readouterr()
-    return code, out.out, out.err
-
-
 @pytest.mark.parametrize(
     "args, message",
     [
@@ -359,7 +345,7 @@ def test_bad_arguments_exit_2_with_one_sentence(args, message, word_model, monke
     code, _, err = run_cli([*base, *args], monkeypatch, capsys, model=word_model)
     assert code == 2
     assert message in err and "Traceback" not in err
-    assert [line for line in err.splitlines() if not line.startswith("[eval]")] == [
+    assert [line for line in err.splitlines() if not line.startswith(("[eval]", "[speedkv]"))] == [
         line for line in err.splitlines() if line.startswith("error:")
     ]
 

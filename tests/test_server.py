@@ -548,7 +548,7 @@ def test_scheduler_queue_batching_and_cancellation(tiny, tiny_engine):
         (["--max-prompt-tokens", "0"], "max-prompt-tokens must be at least 1"),
         (["--port", "70000"], "port must be between 0 and 65535"),
         (["--api-key", " "], "API key is empty"),
-        (["--threads", "0"], "threads must be at least 1"),
+        (["--threads", "-1"], "threads must be 0"),
         (["--log-level", "loud"], "log-level"),
     ],
 )

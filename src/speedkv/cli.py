@@ -9,6 +9,7 @@ from pathlib import Path
 
 import typer
 
+from .cli_common import MODEL_HELP, check_adapter, load, log
 from .errors import UserError
 
 app = typer.Typer(
@@ -19,15 +20,10 @@ app = typer.Typer(
     "inference. Method specs look like 'full' or 'speed:lcut=22,anchors=bos'.",
 )
 
-MODEL_HELP = "Embedded model name (smollm2-135m, qwen2.5-coder-0.5b), HF directory or .gguf file."
 METHOD_HELP = (
     "Method spec, e.g. 'full', 'speed:lcut=22,anchors=bos', "
     "'speed:lcut=22,anchors=sink:4,deep=header,selfonly=true'."
 )
-
-
-def log(message: str) -> None:
-    print(f"[speedkv] {message}", file=sys.stderr, flush=True)
 
 
 @app.command()
@@ -63,7 +59,6 @@ def generate(
     """Generate a continuation of one prompt, streaming the text as it is produced."""
     from .engine import Engine
     from .memory import peak_rss_bytes, reset_peak_rss
-    from .models import load_model
     from .policy import make_policy
     from .sampling import SamplingParams
     from .textio import encode_prompt
@@ -80,16 +75,8 @@ def generate(
     from .policy import split_spec
 
     split_spec(method)  # malformed specs fail before the model loads
-    if adapter is not None:
-        from .train.adapters import read_adapter_info
-
-        read_adapter_info(adapter)  # so does a directory that holds no adapter
-    log(f"loading {model}")
-    loaded = load_model(model, dtype=dtype, device=device)
-    if adapter is not None:
-        from .train.adapters import apply_adapter
-
-        loaded = apply_adapter(loaded, adapter, method)
+    check_adapter(adapter)  # so does a directory that holds no adapter
+    loaded = load(model, dtype, device, adapter, method)
     policy = make_policy(method, loaded.shape)
     encoded = encode_prompt(loaded.tokenizer, text, chat=not raw)
     engine = Engine(loaded)
@@ -233,7 +220,6 @@ def bench(
 ) -> None:
     """Measure TTFT, TPOT, KV bytes, peak RSS and FLOPs per method and prompt length."""
     from .bench import Bench, BenchConfig, parse_lengths, parse_methods
-    from .models import load_model
     from .policy import split_spec
 
     config = BenchConfig(
@@ -250,16 +236,8 @@ def bench(
             split_spec(spec)
     if repeats < 1:
         raise UserError(f"repeats must be at least 1, got {repeats}")
-    if adapter is not None:
-        from .train.adapters import read_adapter_info
-
-        read_adapter_info(adapter)
-    log(f"loading {model}")
-    loaded = load_model(model, dtype=dtype)
-    if adapter is not None:  # merged weights: the same cost as the base model
-        from .train.adapters import apply_adapter
-
-        loaded = apply_adapter(loaded, adapter)
+    check_adapter(adapter)
+    loaded = load(model, dtype, adapter=adapter)  # merged weights: the base model's cost
     runner = Bench(loaded, config, out)
     result = runner.run(resume=resume)
     if as_json:
@@ -301,14 +279,12 @@ def calibrate_tsp_command(
     full context (FastKV, Eq. 3); prints every candidate's distance."""
     from .calibrate import calibrate_tsp, default_prompts
     from .engine import Engine
-    from .models import load_model
     from .scoring import check_budget
     from .textio import encode_prompt
 
     check_budget(tsp_rate, "tsp-rate")
     lines = _read_lines(prompts_file) if prompts_file else None
-    log(f"loading {model}")
-    loaded = load_model(model, dtype=dtype)
+    loaded = load(model, dtype)
     if lines is not None:
         prompts = [encode_prompt(loaded.tokenizer, line).ids for line in lines]
     else:

@@ -9,12 +9,12 @@ from typing import TYPE_CHECKING
 
 import typer
 
+from .cli_common import MODEL_HELP, check_adapter, load, log
 from .errors import UserError
 
 if TYPE_CHECKING:
     from .models import LoadedModel
 
-MODEL_HELP = "Embedded model name (smollm2-135m, qwen2.5-coder-0.5b), HF directory or .gguf file."
 ANCHORS_HELP = "SPEED anchors: bos, none or sink:K."
 
 
@@ -46,12 +46,10 @@ def diagnose_command(
     """Layer-wise cutoff diagnostic: where generated tokens attend (prefill, BoS, earlier
     tokens), how selective their prompt attention is, and where the residual trajectory
     straightens, per layer, with full attention and with SPEED; writes figures and JSON."""
-    from .cli import log
     from .diagnose import default_prompts, diagnose
     from .diagnose_plots import write_figures
     from .engine import Engine
     from .methods.speed import parse_anchors
-    from .models import load_model
     from .textio import encode_prompt
 
     if n is not None and n < 1:
@@ -64,8 +62,7 @@ def diagnose_command(
         raise UserError(f"--doc-tokens must be at least 16, got {doc_tokens}")
     parse_anchors(anchors)
     lines = read_prompt_lines(prompts_file) if prompts_file else None
-    log(f"loading {model}")
-    loaded = load_model(model, dtype=dtype)
+    loaded = load(model, dtype)
     shape = loaded.shape
     lcut = round(0.75 * shape.num_layers) if lcut is None else lcut
     if not 0 <= lcut < shape.num_layers:
@@ -171,18 +168,13 @@ def choose_lcut_command(
     """Choose SPEED's cutoff: measure fidelity against full attention (top-1 agreement,
     perplexity ratio, KL) at every candidate cutoff in one shared pass over calibration text,
     and print the smallest cutoff meeting the budget with its expected TTFT / KV savings."""
-    from .cli import log
     from .cutoff import calib_passages, parse_budget, parse_candidates
     from .methods.speed import parse_anchors
-    from .models import load_model
     from .policy import make_policy
 
     wanted = parse_budget(budget)
     num_anchors = parse_anchors(anchors)
-    if adapter is not None:
-        from .train.adapters import read_adapter_info
-
-        read_adapter_info(adapter)  # a directory without an adapter fails before loading
+    check_adapter(adapter)
     if n < 1:
         raise UserError(f"--n must be at least 1, got {n}")
     if new_tokens < 1:
@@ -194,8 +186,7 @@ def choose_lcut_command(
         )
     if context is not None and context < num_anchors + deep + 1:
         raise UserError(f"--context must exceed anchors + deep tokens, got {context}")
-    log(f"loading {model}")
-    loaded = load_model(model, dtype=dtype)
+    loaded = load(model, dtype)
     shape = loaded.shape
     cuts = parse_candidates(candidates or f"0..{shape.num_layers}", shape.num_layers)
     if prompt_tokens + new_tokens > shape.max_positions:
@@ -245,7 +236,6 @@ def choose_lcut(
     reference: LoadedModel | None = None,
 ) -> dict:
     """The sweep, the choice and its expected savings as one JSON-ready dict."""
-    from .cli import log
     from .cutoff import expected_savings, meets, smallest_meeting, sweep
 
     shape = loaded.shape

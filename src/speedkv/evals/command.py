@@ -3,18 +3,12 @@
 from __future__ import annotations
 
 import json
-import sys
 from pathlib import Path
 
 import typer
 
+from ..cli_common import MODEL_HELP, check_adapter, load, log, set_threads
 from ..errors import UserError
-
-MODEL_HELP = "Embedded model name (smollm2-135m, qwen2.5-coder-0.5b), HF directory or .gguf file."
-
-
-def log(message: str) -> None:
-    print(f"[eval] {message}", file=sys.stderr, flush=True)
 
 
 def register(app: typer.Typer) -> None:
@@ -70,7 +64,6 @@ def register(app: typer.Typer) -> None:
         """Measure what methods cost in quality: needle retrieval, fidelity to full attention
         and short-prompt sanity, per prompt length."""
         from ..bench import parse_lengths, parse_methods
-        from ..models import load_model
         from ..policy import split_spec
         from .report import markdown_tables
         from .runner import EvalConfig, EvalRunner
@@ -97,25 +90,9 @@ def register(app: typer.Typer) -> None:
         )
         if fidelity_tokens < 1:
             raise UserError(f"fidelity-tokens must be at least 1, got {fidelity_tokens}")
-        if threads < 0:
-            raise UserError(
-                f"threads must be 0 (torch's default) or a positive count, got {threads}"
-            )
-        if threads:
-            import torch
-
-            torch.set_num_threads(threads)
-        if adapter is not None:
-            from ..train.adapters import read_adapter_info
-
-            read_adapter_info(adapter)  # a directory without an adapter fails before loading
-        log(f"loading {model}")
-        loaded = load_model(model, dtype=dtype)
-        if adapter is not None:
-            from ..train.adapters import apply_adapter
-
-            loaded = apply_adapter(loaded, adapter)
-        runner = EvalRunner(loaded, config, out)
+        set_threads(threads)
+        check_adapter(adapter)
+        runner = EvalRunner(load(model, dtype, adapter=adapter), config, out)
         result = runner.run(resume=resume, log=log)
         if as_json:
             print(json.dumps(result, indent=2))

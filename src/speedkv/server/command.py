@@ -2,19 +2,15 @@
 
 from __future__ import annotations
 
-import sys
 from pathlib import Path
 
 import typer
 
+from ..cli_common import MODEL_HELP, THREADS_HELP, check_adapter, load, set_threads
+from ..cli_common import log as _log
 from ..errors import UserError
 
-MODEL_HELP = "Embedded model name (smollm2-135m, qwen2.5-coder-0.5b), HF directory or .gguf file."
 LOOPBACK = {"127.0.0.1", "localhost", "::1"}
-
-
-def _log(message: str) -> None:
-    print(f"[speedkv] {message}", file=sys.stderr, flush=True)
 
 
 def register(app: typer.Typer) -> None:
@@ -59,9 +55,7 @@ def register(app: typer.Typer) -> None:
         ),
         dtype: str = typer.Option("auto", "--dtype", help="auto, float32 or bfloat16."),
         device: str = typer.Option("auto", "--device", help="auto, cpu or cuda."),
-        threads: int | None = typer.Option(
-            None, "--threads", help="torch CPU threads (default: torch's choice)."
-        ),
+        threads: int = typer.Option(0, "--threads", help=THREADS_HELP),
         log_level: str = typer.Option(
             "info", "--log-level", help="uvicorn log level: critical, error, warning, info."
         ),
@@ -71,16 +65,11 @@ def register(app: typer.Typer) -> None:
         import uvicorn
 
         from ..engine import Engine
-        from ..models import load_model
         from .app import create_app
         from .config import ServerConfig
 
-        if adapter is not None:
-            from ..train.adapters import read_adapter_info
-
-            read_adapter_info(adapter)  # a directory without an adapter fails before loading
-        if threads is not None and threads < 1:
-            raise UserError(f"threads must be at least 1, got {threads}")
+        check_adapter(adapter)
+        set_threads(threads)  # the scheduler thread inherits it
         if not 0 <= port <= 65535:
             raise UserError(f"port must be between 0 and 65535, got {port}")
         if log_level not in {"critical", "error", "warning", "info", "debug"}:
@@ -100,16 +89,7 @@ def register(app: typer.Typer) -> None:
         ).check()  # mistakes fail before the model loads
         if host not in LOOPBACK and not api_key:
             _log(f"warning: binding {host} without --api-key; anyone who can reach it may use it")
-        if threads is not None:
-            import torch
-
-            torch.set_num_threads(threads)  # the scheduler thread inherits it
-        _log(f"loading {model}")
-        loaded = load_model(model, dtype=dtype, device=device)
-        if adapter is not None:
-            from ..train.adapters import apply_adapter
-
-            loaded = apply_adapter(loaded, adapter, method)
+        loaded = load(model, dtype, device, adapter, method)
         config.model_name = loaded.name
         app_ = create_app(Engine(loaded), config)
         _log(

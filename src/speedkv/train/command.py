@@ -8,9 +8,9 @@ from pathlib import Path
 
 import typer
 
+from ..cli_common import MODEL_HELP, THREADS_HELP, load, set_threads
 from ..errors import UserError
 
-MODEL_HELP = "Embedded model name (smollm2-135m, qwen2.5-coder-0.5b) or HF directory."
 METHOD_HELP = (
     "What to train for: 'speed:lcut=22,anchors=bos' (any SPEED spec) or 'full' (the same LoRA "
     "without SPEED, the fair baseline)."
@@ -37,21 +37,6 @@ def _modules(value: str) -> list[str]:
     if not names:
         raise UserError("--target-modules must name at least one module, e.g. q_proj,v_proj")
     return names
-
-
-THREADS_HELP = (
-    "CPU threads for torch (0 = torch's default). On a CPU shared with other jobs, 1 is often "
-    "several times faster."
-)
-
-
-def _set_threads(threads: int) -> None:
-    if threads < 0:
-        raise UserError(f"threads must be 0 (torch's default) or a positive count, got {threads}")
-    if threads:
-        import torch
-
-        torch.set_num_threads(threads)
 
 
 def register(app: typer.Typer) -> None:
@@ -142,7 +127,7 @@ def register(app: typer.Typer) -> None:
             probe_every=probe_every,
             save_dtype=save_dtype,
         ).validate()
-        _set_threads(threads)
+        set_threads(threads)
         command = " ".join(["speedkv", *sys.argv[1:]])
         record = run_training(config, resume=resume, command=command)
         if as_json:
@@ -183,11 +168,10 @@ def register(app: typer.Typer) -> None:
     ) -> None:
         """Tokens/s of a SPEED training step against a full one on the same batch."""
         from ..bench import parse_methods
-        from ..models import load_model
         from .data import DEFAULT_WEIGHTS, build_mix, tokenize_all
         from .forward import check_trainable, visibility_for
         from .stepbench import fixed_batch, measure_step_speed
-        from .trainer import TrainConfig, log, lora_model
+        from .trainer import TrainConfig, lora_model
 
         specs = list(dict.fromkeys(["full", *parse_methods(methods)]))
         for spec in specs:
@@ -196,9 +180,8 @@ def register(app: typer.Typer) -> None:
             raise UserError("--repeats and --batch must be at least 1")
         if not 1 <= response_len < seq_len:
             raise UserError("--response-len must be at least 1 and shorter than --seq-len")
-        _set_threads(threads)
-        log(f"loading {model}")
-        loaded = load_model(model, dtype="float32")
+        set_threads(threads)
+        loaded = load(model, "float32")
         for spec in specs:
             visibility_for(spec, loaded.shape)  # only full and speed can be trained
         if mix:
