@@ -4,8 +4,16 @@ import json
 
 import pytest
 
-from speedkv.bench import Bench, BenchConfig, bench_prompt, parse_lengths, parse_methods
+from speedkv.bench import (
+    Bench,
+    BenchConfig,
+    add_bounds,
+    bench_prompt,
+    parse_lengths,
+    parse_methods,
+)
 from speedkv.errors import UserError
+from speedkv.roofline import MachineLimits
 
 pytestmark = pytest.mark.real_model
 
@@ -46,6 +54,48 @@ def test_cells_ratios_and_outputs(smollm2, tmp_path):
         assert (tmp_path / name).exists(), name
     saved = json.loads((tmp_path / "results.json").read_text())
     assert saved["machine"]["torch"] and saved["config"]["repeats"] == 2
+    limits = saved["limits"]
+    assert limits["bandwidth_gb_s"] > 0.1 and limits["matmul_tflop_s"] > 1e-3
+    for cell in result["cells"]:  # nothing runs faster than the hardware allows
+        assert cell["tpot_x_bound"] > 1.0 and cell["ttft_x_bound"] > 1.0
+    assert "TPOT/limit" in (tmp_path / "table.md").read_text()
+
+
+def test_decode_weight_bytes_counts_a_tied_head_once(smollm2):
+    hf = smollm2.backbone.hf_model
+    assert hf.lm_head.weight is hf.model.embed_tokens.weight
+    every_parameter = sum(p.numel() * p.element_size() for p in hf.parameters())
+    assert smollm2.backbone.decode_weight_bytes() == every_parameter
+
+
+def test_bounds_arithmetic():
+    limits = MachineLimits(bandwidth_bytes_s=1e9, matmul_flops_s=1e12, dtype="bf16", device="cpu")
+    cells = [
+        dict(
+            method="full",
+            length=8,
+            flops_prefill=4e12,
+            kv_bytes=100,
+            kv_bytes_final=300,
+            ttft_s=8.0,
+            tpot_s=0.02,
+        ),
+        dict(
+            method="hf",
+            length=8,
+            flops_prefill=None,
+            kv_bytes=100,
+            kv_bytes_final=300,
+            ttft_s=10.0,
+            tpot_s=0.04,
+        ),
+    ]
+    add_bounds(cells, limits, weight_bytes=9_999_800)
+    full, hf = cells
+    assert full["tpot_bound_s"] == pytest.approx(0.01)  # (9_999_800 + 200) / 1e9
+    assert full["tpot_x_bound"] == pytest.approx(2.0) and hf["tpot_x_bound"] == pytest.approx(4.0)
+    assert full["ttft_bound_s"] == hf["ttft_bound_s"] == pytest.approx(4.0)
+    assert hf["ttft_x_bound"] == pytest.approx(2.5)
 
 
 def test_resume_measures_only_missing_runs(smollm2, tmp_path):

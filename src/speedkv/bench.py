@@ -4,6 +4,10 @@ Every cell (method x length) is measured `repeats` times after one warm-up; with
 all methods run back to back on the same prompt, so machine noise hits them alike, and every
 ratio is taken against `full` from the same repeat. Raw runs go to `runs.jsonl` as they finish,
 so an interrupted sweep resumes where it stopped (`--resume`).
+
+The run also measures this machine's read bandwidth and matmul rate (`roofline`) and reports
+each cell against its limit: TPOT against the bytes a step must read (weights + visible K/V),
+TTFT against the prefill FLOPs at the matmul rate.
 """
 
 from __future__ import annotations
@@ -25,6 +29,7 @@ from .haystack import haystack_text
 from .memory import peak_rss_bytes, reset_peak_rss
 from .models import LoadedModel
 from .policy import make_policy
+from .roofline import MachineLimits, measure_limits
 from .sampling import SamplingParams
 
 HF = "hf"  # pseudo-method: the model's own `generate`, as a baseline for our `full` loop
@@ -122,6 +127,7 @@ class Bench:
     def __init__(self, model: LoadedModel, config: BenchConfig, out: Path):
         self.model, self.config, self.out = model, config, out
         self.engine = Engine(model)
+        self._limits: MachineLimits | None = None
         methods = list(dict.fromkeys(config.methods))
         if "full" not in methods:
             methods.insert(0, "full")  # every ratio is taken against full
@@ -187,6 +193,8 @@ class Bench:
             "new_tokens": cfg.new_tokens,
         }
         runs = self._load_runs(runs_path, header) if resume else []
+        if progress:
+            print(f"[bench] machine limits: {self.limits().describe()}", flush=True)
         if not resume:
             runs_path.write_text(json.dumps({"header": header}) + "\n")
         done = {(r["repeat"], r["length"], r["method"]) for r in runs}
@@ -225,6 +233,12 @@ class Bench:
                 bar.update()
         bar.close()
         return self.summarise(runs)
+
+    def limits(self) -> MachineLimits:
+        """Measured once per run, after the model is loaded, before the sweep."""
+        if self._limits is None:
+            self._limits = measure_limits(self.engine.device, self.model.dtype)
+        return self._limits
 
     def _load_runs(self, path: Path, header: dict) -> list[dict]:
         if not path.exists():
@@ -278,16 +292,41 @@ class Bench:
                     if (r["repeat"], n, "full") in by_key
                 )
                 cells.append(cell)
+        limits = self.limits()
+        add_bounds(cells, limits, self.model.backbone.decode_weight_bytes())
         result = {
             "config": asdict(self.config),
             "methods": self.methods,
             "dtype": str(self.model.dtype).replace("torch.", ""),
             "machine": machine_facts(),
+            "limits": {
+                "bandwidth_gb_s": limits.bandwidth_bytes_s / 1e9,
+                "matmul_tflop_s": limits.matmul_flops_s / 1e12,
+                "dtype": limits.dtype,
+                "decode_weight_bytes": self.model.backbone.decode_weight_bytes(),
+            },
             "date": time.strftime("%Y-%m-%d %H:%M:%S"),
             "cells": cells,
         }
         write_outputs(result, self.out)
         return result
+
+
+def add_bounds(cells: list[dict], limits: MachineLimits, weight_bytes: int) -> None:
+    """Each cell's hardware limits and how many times them it took. A decode step reads the
+    weights and, on average, the mean of the K/V held at the first and the last token; `hf`
+    does the same work as `full`, so it gets full's prefill FLOPs."""
+    full_flops = {c["length"]: c["flops_prefill"] for c in cells if c["method"] == "full"}
+    for c in cells:
+        kv_read = (c["kv_bytes"] + c["kv_bytes_final"]) / 2
+        c["tpot_bound_s"] = limits.decode_bound_s(weight_bytes, kv_read)
+        flops = c["flops_prefill"]
+        if flops is None:
+            flops = full_flops.get(c["length"])
+        c["ttft_bound_s"] = limits.prefill_bound_s(flops) if flops else None
+        for metric in ("tpot", "ttft"):
+            bound, took = c[f"{metric}_bound_s"], c[f"{metric}_s"]
+            c[f"{metric}_x_bound"] = took / bound if bound and took is not None else None
 
 
 def write_outputs(result: dict, out: Path) -> None:
@@ -308,9 +347,9 @@ def write_outputs(result: dict, out: Path) -> None:
 def markdown_table(result: dict) -> str:
     """Medians per cell, each ratio taken against full in the same repeat."""
     lines = [
-        "| method | tokens | TTFT s | TPOT ms | KV MiB | KV end MiB | peak RSS GiB "
-        "| TTFT x | TPOT x | KV x | FLOPs x |",
-        "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
+        "| method | tokens | TTFT s | TTFT/limit | TPOT ms | TPOT/limit | KV MiB | KV end MiB "
+        "| peak RSS GiB | TTFT x | TPOT x | KV x | FLOPs x |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
 
     def fmt(value, spec, scale=1.0):
@@ -319,7 +358,8 @@ def markdown_table(result: dict) -> str:
     for c in result["cells"]:
         lines.append(
             f"| `{c['method']}` | {c['length']} | {fmt(c['ttft_s'], '.3f')} | "
-            f"{fmt(c['tpot_s'], '.1f', 1e3)} | {fmt(c['kv_bytes'], '.2f', 2**-20)} | "
+            f"{fmt(c.get('ttft_x_bound'), '.2f')} | {fmt(c['tpot_s'], '.1f', 1e3)} | "
+            f"{fmt(c.get('tpot_x_bound'), '.2f')} | {fmt(c['kv_bytes'], '.2f', 2**-20)} | "
             f"{fmt(c['kv_bytes_final'], '.2f', 2**-20)} | "
             f"{fmt(c['peak_rss_bytes'], '.2f', 2**-30)} | {fmt(c['ttft_ratio'], '.3f')} | "
             f"{fmt(c['tpot_ratio'], '.3f')} | {fmt(c['kv_ratio'], '.3f')} | "
@@ -346,10 +386,25 @@ def report_markdown(result: dict, images: str = ".") -> str:
             f"{machine['transformers']}. FLOPs x is the prefill cost-model ratio (layer-token "
             "matmuls plus attention pairs).",
             "",
+            limits_sentence(result),
+            "",
             markdown_table(result),
             f"![TTFT, TPOT and KV memory against prompt length]({images}/efficiency.png)",
             "",
         ]
+    )
+
+
+def limits_sentence(result: dict) -> str:
+    limits = result.get("limits")
+    if not limits:
+        return ""
+    return (
+        f"Limits measured in the same run: {limits['bandwidth_gb_s']:.1f} GB/s read bandwidth, "
+        f"{limits['matmul_tflop_s']:.3f} TFLOP/s {limits['dtype']} matmul. TPOT/limit is TPOT "
+        f"over (weights {limits['decode_weight_bytes'] / 2**20:.0f} MiB + mean visible K/V) / "
+        "bandwidth; TTFT/limit is TTFT over prefill FLOPs / matmul rate (1.00 would be the "
+        "hardware's best)."
     )
 
 

@@ -104,6 +104,19 @@ class Backbone:
     def dtype(self) -> torch.dtype:
         return self._embed.weight.dtype
 
+    def decode_weight_bytes(self) -> int:
+        """Bytes of weight one decode step must read: every layer, the final norm and the LM
+        head (the embedding contributes one row; tied or not, its matrix is read as the head)."""
+        modules = [*self.layers, self._norm, self._lm_head]
+        seen: set[int] = set()
+        total = 0
+        for module in modules:
+            for p in module.parameters():
+                if id(p) not in seen:
+                    seen.add(id(p))
+                    total += p.numel() * p.element_size()
+        return total
+
     # -- embedding, rotary table, head ---------------------------------------------------------
     def embed(self, ids: torch.Tensor) -> torch.Tensor:
         return self._embed(ids)

@@ -1,0 +1,77 @@
+"""What this machine could do at best: measured memory bandwidth and matmul rate, and the
+bounds they put on a decode step (bytes that must be read) and on a prefill (FLOPs that must
+be done). `speedkv bench` measures both in the same run and prints every cell as "x times
+the limit", so a figure says how far it is from the hardware, not only from another method.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass(frozen=True)
+class MachineLimits:
+    bandwidth_bytes_s: float  # sustained read bandwidth of a large tensor
+    matmul_flops_s: float  # a large square matmul in the model's dtype
+    dtype: str
+    device: str
+
+    def decode_bound_s(self, weight_bytes: int, kv_read_bytes: float) -> float:
+        """One decode step reads every weight once and every visible cached K/V once."""
+        return (weight_bytes + kv_read_bytes) / self.bandwidth_bytes_s
+
+    def prefill_bound_s(self, flops: float) -> float:
+        return flops / self.matmul_flops_s
+
+    def describe(self) -> str:
+        return (
+            f"{self.bandwidth_bytes_s / 1e9:.1f} GB/s read, "
+            f"{self.matmul_flops_s / 1e12:.3f} TFLOP/s {self.dtype} matmul on {self.device}"
+        )
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def _best_time(fn, device: torch.device, repeats: int) -> float:
+    fn()  # warm-up: allocation, kernel selection
+    best = float("inf")
+    for _ in range(repeats):
+        _sync(device)
+        start = time.perf_counter()
+        fn()
+        _sync(device)
+        best = min(best, time.perf_counter() - start)
+    return best
+
+
+def measure_bandwidth(device: torch.device, megabytes: int = 512, repeats: int = 5) -> float:
+    """Bytes per second of reading a tensor far larger than any cache (a float32 sum: the
+    reduction is cheap, so the read is the cost)."""
+    data = torch.ones(megabytes * 2**20 // 4, dtype=torch.float32, device=device)
+    seconds = _best_time(lambda: data.sum(), device, repeats)
+    return data.numel() * 4 / seconds
+
+
+def measure_matmul(
+    device: torch.device, dtype: torch.dtype, size: int = 2048, repeats: int = 5
+) -> float:
+    """FLOP/s of a square matmul, the best case for dense prefill work in `dtype`."""
+    a = torch.randn(size, size, device=device).to(dtype)
+    b = torch.randn(size, size, device=device).to(dtype)
+    seconds = _best_time(lambda: a @ b, device, repeats)
+    return 2 * size**3 / seconds
+
+
+def measure_limits(device: torch.device, dtype: torch.dtype) -> MachineLimits:
+    return MachineLimits(
+        bandwidth_bytes_s=measure_bandwidth(device),
+        matmul_flops_s=measure_matmul(device, dtype),
+        dtype=str(dtype).replace("torch.", ""),
+        device=str(device),
+    )
