@@ -11,6 +11,7 @@ from speedkv.bench import (
     bench_prompt,
     parse_lengths,
     parse_methods,
+    rotated,
 )
 from speedkv.errors import UserError
 from speedkv.roofline import MachineLimits
@@ -66,6 +67,16 @@ def test_decode_weight_bytes_counts_a_tied_head_once(smollm2):
     assert hf.lm_head.weight is hf.model.embed_tokens.weight
     every_parameter = sum(p.numel() * p.element_size() for p in hf.parameters())
     assert smollm2.backbone.decode_weight_bytes() == every_parameter
+
+
+def test_each_repeat_starts_with_the_next_method():
+    methods = ["full", "hf", "speed"]
+    assert [rotated(methods, r) for r in range(4)] == [
+        ["full", "hf", "speed"],
+        ["hf", "speed", "full"],
+        ["speed", "full", "hf"],
+        ["full", "hf", "speed"],
+    ]
 
 
 def test_bounds_arithmetic():

@@ -1,9 +1,10 @@
 """`speedkv bench`: TTFT, TPOT, KV memory, peak RSS and FLOPs of methods across prompt lengths.
 
 Every cell (method x length) is measured `repeats` times after one warm-up; within each repeat
-all methods run back to back on the same prompt, so machine noise hits them alike, and every
-ratio is taken against `full` from the same repeat. Raw runs go to `runs.jsonl` as they finish,
-so an interrupted sweep resumes where it stopped (`--resume`).
+all methods run back to back on the same prompt (each repeat in a rotated order), so machine
+noise hits them alike, and every ratio is taken against `full` from the same repeat. Raw runs
+go to `runs.jsonl` as they finish, so an interrupted sweep resumes where it stopped
+(`--resume`).
 
 The run also measures this machine's read bandwidth and matmul rate (`roofline`) and reports
 each cell against its limit: TPOT against the bytes a step must read (weights + visible K/V),
@@ -80,6 +81,13 @@ def parse_methods(text: str) -> list[str]:
     if not methods:
         raise UserError("give at least one method, e.g. --methods 'full;speed:lcut=22,anchors=bos'")
     return methods
+
+
+def rotated(methods: list[str], repeat: int) -> list[str]:
+    """The methods in the order repeat `repeat` runs them: each repeat starts one further on,
+    so whatever the first run after a length switch pays is not always paid by the same one."""
+    shift = repeat % len(methods)
+    return methods[shift:] + methods[:shift]
 
 
 def bench_prompt(tokenizer, length: int) -> list[int]:
@@ -203,7 +211,7 @@ class Bench:
             (rep, n, m)
             for rep in range(cfg.repeats)
             for n in cfg.lengths
-            for m in self.methods
+            for m in rotated(self.methods, rep)
             if (rep, n, m) not in done
         ]
         warm = sorted({(n, m) for _, n, m in todo})

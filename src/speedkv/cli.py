@@ -16,6 +16,7 @@ app = typer.Typer(
     add_completion=False,
     no_args_is_help=True,
     pretty_exceptions_enable=False,
+    rich_markup_mode="markdown",  # docstrings wrap as paragraphs, not at their line breaks
     help="SPEED (Shallow Prefill, dEEp Decode) and peer KV-cache methods for long-context "
     "inference. Method specs look like 'full' or 'speed:lcut=22,anchors=bos'.",
 )
@@ -218,7 +219,11 @@ def bench(
     ),
     as_json: bool = typer.Option(False, "--json", help="Print results.json to stdout."),
 ) -> None:
-    """Measure TTFT, TPOT, KV bytes, peak RSS and FLOPs per method and prompt length."""
+    """Measure TTFT, TPOT, KV bytes, peak RSS and FLOPs per method and prompt length.
+
+    The same run measures this machine's read bandwidth and matmul rate and reports every
+    TTFT and TPOT as a multiple of its hardware limit.
+    """
     from .bench import Bench, BenchConfig, parse_lengths, parse_methods
     from .policy import split_spec
 
