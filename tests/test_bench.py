@@ -9,6 +9,7 @@ from speedkv.bench import (
     BenchConfig,
     add_bounds,
     bench_prompt,
+    engine_vs_hf,
     parse_lengths,
     parse_methods,
     rotated,
@@ -137,3 +138,13 @@ def test_bad_arguments(smollm2, tmp_path):
         parse_lengths("1024,abc")
     with pytest.raises(UserError, match="at least one method"):
         parse_methods(" ; ")
+
+
+def test_before_after_table_inverts_hf_ratios():
+    full = dict(
+        method="full", length=64, ttft_s=1.0, tpot_s=0.05, ttft_x_bound=2.0, tpot_x_bound=5.0
+    )
+    hf = dict(method="hf", length=64, ttft_s=1.25, tpot_s=0.1, ttft_ratio=1.25, tpot_ratio=2.0)
+    table = engine_vs_hf({"config": {"lengths": [64]}, "cells": [full, hf]})
+    assert "| 64 | 1.250 | 1.000 | 0.800 | 2.00 | 100.0 | 50.0 | 0.500 | 5.00 |" in table
+    assert engine_vs_hf({"config": {"lengths": [64]}, "cells": [full]}) == ""

@@ -381,6 +381,8 @@ def report_markdown(result: dict, images: str = ".") -> str:
     cfg, machine = result["config"], result["machine"]
     return "\n".join(
         [
+            f"# Efficiency of every method on `{cfg['model']}` ({result['dtype']})",
+            "",
             f"Measured {result['date']} with:",
             "",
             "```bash",
@@ -397,10 +399,35 @@ def report_markdown(result: dict, images: str = ".") -> str:
             limits_sentence(result),
             "",
             markdown_table(result),
+            engine_vs_hf(result),
             f"![TTFT, TPOT and KV memory against prompt length]({images}/efficiency.png)",
             "",
         ]
     )
+
+
+def engine_vs_hf(result: dict) -> str:
+    """Our `full` loop against the model's own `generate` (what users had before), per length."""
+    cells = {(c["method"], c["length"]): c for c in result["cells"]}
+    lengths = [n for n in result["config"]["lengths"] if (HF, n) in cells and ("full", n) in cells]
+    if not lengths:
+        return ""
+    lines = [
+        "Before and after: the model's own `generate` (HF) against our `full` loop, same run. "
+        "full/HF is the median over repeats of the per-repeat ratio.",
+        "",
+        "| tokens | HF TTFT s | full TTFT s | full/HF TTFT | full TTFT/limit "
+        "| HF TPOT ms | full TPOT ms | full/HF TPOT | full TPOT/limit |",
+        "|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
+    ]
+    for n in lengths:
+        hf, full = cells[(HF, n)], cells[("full", n)]
+        lines.append(
+            f"| {n} | {hf['ttft_s']:.3f} | {full['ttft_s']:.3f} | {1 / hf['ttft_ratio']:.3f} "
+            f"| {full['ttft_x_bound']:.2f} | {hf['tpot_s'] * 1e3:.1f} | {full['tpot_s'] * 1e3:.1f} "
+            f"| {1 / hf['tpot_ratio']:.3f} | {full['tpot_x_bound']:.2f} |"
+        )
+    return "\n".join(lines) + "\n"
 
 
 def limits_sentence(result: dict) -> str:

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import typer
 
-from .cli_common import MODEL_HELP, check_adapter, load, log
+from .cli_common import MODEL_HELP, check_adapter, command_line, load, log
 from .errors import UserError
 
 app = typer.Typer(
@@ -234,7 +234,7 @@ def bench(
         new_tokens=new_tokens,
         repeats=repeats,
         dtype=dtype,
-        command=" ".join(["speedkv", *sys.argv[1:]]),
+        command=command_line(),
     )
     for spec in config.methods:
         if spec != "hf":

@@ -3,6 +3,7 @@ optional adapter. Faces import it; it imports the heavy modules only when called
 
 from __future__ import annotations
 
+import shlex
 import sys
 from pathlib import Path
 
@@ -56,3 +57,8 @@ def load(
 
         loaded = apply_adapter(loaded, adapter, method)
     return loaded
+
+
+def command_line() -> str:
+    """This invocation as a line a user can paste back into a shell (specs quoted)."""
+    return shlex.join(["speedkv", *sys.argv[1:]])

@@ -3,12 +3,11 @@
 from __future__ import annotations
 
 import json
-import sys
 from pathlib import Path
 
 import typer
 
-from ..cli_common import MODEL_HELP, THREADS_HELP, load, set_threads
+from ..cli_common import MODEL_HELP, THREADS_HELP, command_line, load, set_threads
 from ..errors import UserError
 
 METHOD_HELP = (
@@ -128,7 +127,7 @@ def register(app: typer.Typer) -> None:
             save_dtype=save_dtype,
         ).validate()
         set_threads(threads)
-        command = " ".join(["speedkv", *sys.argv[1:]])
+        command = command_line()
         record = run_training(config, resume=resume, command=command)
         if as_json:
             print(json.dumps(record, indent=2))
