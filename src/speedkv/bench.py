@@ -301,7 +301,8 @@ class Bench:
                 )
                 cells.append(cell)
         limits = self.limits()
-        add_bounds(cells, limits, self.model.backbone.decode_weight_bytes())
+        weight_bytes = self.model.backbone.decode_weight_bytes()
+        add_bounds(cells, limits, weight_bytes)
         result = {
             "config": asdict(self.config),
             "methods": self.methods,
@@ -311,7 +312,7 @@ class Bench:
                 "bandwidth_gb_s": limits.bandwidth_bytes_s / 1e9,
                 "matmul_tflop_s": limits.matmul_flops_s / 1e12,
                 "dtype": limits.dtype,
-                "decode_weight_bytes": self.model.backbone.decode_weight_bytes(),
+                "decode_weight_bytes": weight_bytes,
             },
             "date": time.strftime("%Y-%m-%d %H:%M:%S"),
             "cells": cells,

@@ -16,8 +16,9 @@ THREADS_HELP = (
 )
 
 
-def log(message: str) -> None:
-    print(f"[speedkv] {message}", file=sys.stderr, flush=True)
+def log(message: str, source: str = "speedkv") -> None:
+    """A progress line on stderr, tagged with what speaks (stdout stays for results)."""
+    print(f"[{source}] {message}", file=sys.stderr, flush=True)
 
 
 def set_threads(threads: int | None) -> None:

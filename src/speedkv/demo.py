@@ -4,8 +4,9 @@ SPEED, side by side with what each cost."""
 from __future__ import annotations
 
 import json
-import sys
+from functools import partial
 
+from .cli_common import log as _log
 from .engine import Engine
 from .haystack import haystack_text, plant
 from .memory import peak_rss_bytes, reset_peak_rss
@@ -17,8 +18,7 @@ FACT = "The name of the lighthouse keeper's cat is Biscuit, and she sleeps on th
 QUESTION = "According to the text above, what is the name of the lighthouse keeper's cat?"
 
 
-def log(message: str) -> None:
-    print(f"[demo] {message}", file=sys.stderr, flush=True)
+log = partial(_log, source="demo")
 
 
 def run_demo(

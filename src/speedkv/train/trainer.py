@@ -21,14 +21,15 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
-import sys
 import time
 import warnings
 from dataclasses import dataclass, field
+from functools import partial
 from pathlib import Path
 
 import torch
 
+from ..cli_common import log as _log
 from ..errors import UserError
 from .adapters import INFO_NAME, adapter_info_record, require_peft
 from .data import (
@@ -118,8 +119,7 @@ class TrainConfig:
         return self.batch * self.grad_accum * max(1, int(os.environ.get("WORLD_SIZE", "1")))
 
 
-def log(message: str) -> None:
-    print(f"[train] {message}", file=sys.stderr, flush=True)
+log = partial(_log, source="train")
 
 
 # -- setup ------------------------------------------------------------------------------------
