@@ -110,7 +110,7 @@ def test_bounds_arithmetic():
     assert hf["ttft_x_bound"] == pytest.approx(2.5)
 
 
-def test_resume_measures_only_missing_runs(smollm2, tmp_path):
+def test_resume_measures_only_missing_runs(smollm2, tmp_path, capsys):
     def config(repeats):
         return BenchConfig(
             model="smollm2-135m", methods=SPECS, lengths=[80], new_tokens=2, repeats=repeats
@@ -118,7 +118,10 @@ def test_resume_measures_only_missing_runs(smollm2, tmp_path):
 
     Bench(smollm2, config(1), tmp_path).run(resume=False, progress=False)
     assert len((tmp_path / "runs.jsonl").read_text().splitlines()) == 1 + 2
-    result = Bench(smollm2, config(2), tmp_path).run(resume=True, progress=False)
+    capsys.readouterr()
+    result = Bench(smollm2, config(2), tmp_path).run(resume=True, progress=True)
+    out, err = capsys.readouterr()
+    assert out == "" and "[bench] machine limits:" in err  # stdout stays for --json
     lines = (tmp_path / "runs.jsonl").read_text().splitlines()
     assert len(lines) == 1 + 4  # the header, repeat 0 kept, repeat 1 added
     assert all(c["repeats"] == 2 for c in result["cells"])

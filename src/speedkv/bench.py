@@ -24,6 +24,7 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 
+from .cli_common import log
 from .engine import Engine, Request
 from .errors import UserError
 from .haystack import haystack_text
@@ -202,7 +203,8 @@ class Bench:
         }
         runs = self._load_runs(runs_path, header) if resume else []
         if progress:
-            print(f"[bench] machine limits: {self.limits().describe()}", flush=True)
+            # stderr, like every progress line: stdout carries the table or --json
+            log(f"machine limits: {self.limits().describe()}", source="bench")
         if not resume:
             runs_path.write_text(json.dumps({"header": header}) + "\n")
         done = {(r["repeat"], r["length"], r["method"]) for r in runs}
@@ -444,6 +446,21 @@ def limits_sentence(result: dict) -> str:
     )
 
 
+def measured_cells(result: dict, method: str, metric: str) -> list[dict]:
+    """The method's cells that have a value for `metric`."""
+    return [c for c in result["cells"] if c["method"] == method and c[metric] is not None]
+
+
+def format_axis(ax, metric: str, label: str) -> None:
+    """Log-2 prompt lengths on x; TTFT also on a log y (it spans orders of magnitude)."""
+    ax.set_xscale("log", base=2)
+    if metric == "ttft_s":
+        ax.set_yscale("log")
+    ax.set_xlabel("prompt tokens")
+    ax.set_ylabel(label)
+    ax.grid(alpha=0.3)
+
+
 def plot(result: dict, out: Path) -> None:
     import matplotlib
 
@@ -466,7 +483,7 @@ def plot(result: dict, out: Path) -> None:
     fig, axes = plt.subplots(1, 3, figsize=(15, height))
     for ax, (metric, label, scale) in zip(axes, panels):
         for method in methods:
-            cells = [c for c in result["cells"] if c["method"] == method and c[metric] is not None]
+            cells = measured_cells(result, method, metric)
             if not cells:
                 continue
             x = [c["length"] for c in cells]
@@ -476,12 +493,7 @@ def plot(result: dict, out: Path) -> None:
                 [(c[metric + "_max"] - c[metric]) * scale for c in cells],
             ]
             ax.errorbar(x, y, yerr=err, capsize=3, label=method, **style[method])
-        ax.set_xscale("log", base=2)
-        if metric == "ttft_s":  # prefill times span orders of magnitude across methods
-            ax.set_yscale("log")
-        ax.set_xlabel("prompt tokens")
-        ax.set_ylabel(label)
-        ax.grid(alpha=0.3)
+        format_axis(ax, metric, label)
     handles, labels = axes[0].get_legend_handles_labels()
     fig.legend(handles, labels, loc="lower center", ncol=2, fontsize=7, frameon=False)
     fig.suptitle(
@@ -492,8 +504,8 @@ def plot(result: dict, out: Path) -> None:
     fig.savefig(out / "efficiency.png", dpi=120)
     for metric, label, scale in panels:
         f2, ax = plt.subplots(figsize=(6, 4.2))
-        for method in result["methods"]:
-            cells = [c for c in result["cells"] if c["method"] == method and c[metric] is not None]
+        for method in methods:
+            cells = measured_cells(result, method, metric)
             if cells:
                 ax.plot(
                     [c["length"] for c in cells],
@@ -501,12 +513,7 @@ def plot(result: dict, out: Path) -> None:
                     label=method,
                     **style[method],
                 )
-        ax.set_xscale("log", base=2)
-        if metric == "ttft_s":
-            ax.set_yscale("log")
-        ax.set_xlabel("prompt tokens")
-        ax.set_ylabel(label)
-        ax.grid(alpha=0.3)
+        format_axis(ax, metric, label)
         ax.legend(fontsize=6, loc="center left", bbox_to_anchor=(1.02, 0.5), frameon=False)
         f2.savefig(out / f"{metric.split('_')[0]}.png", dpi=120, bbox_inches="tight")
         plt.close(f2)

@@ -24,6 +24,7 @@ from pathlib import Path
 
 import torch
 
+from .cli_common import log
 from .compat import SUPPORTED_MODEL_TYPES, Backbone, ModelShape, check_supported
 from .errors import UserError
 
@@ -282,4 +283,4 @@ def install_embedded(name: str) -> None:
 
 def _log(enabled: bool, message: str) -> None:
     if enabled:
-        print(f"[speedkv] {message}", file=sys.stderr, flush=True)
+        log(message)

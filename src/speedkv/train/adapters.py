@@ -10,11 +10,11 @@ from __future__ import annotations
 
 import copy
 import json
-import sys
 import warnings
 from dataclasses import asdict
 from pathlib import Path
 
+from ..cli_common import log
 from ..errors import UserError
 from ..models import LoadedModel
 
@@ -131,7 +131,7 @@ def apply_adapter(
     if method_spec is not None:
         warning = method_mismatch(info, method_spec, loaded.shape)
         if warning:
-            print(f"[speedkv] warning: {warning}", file=sys.stderr, flush=True)
+            log(f"warning: {warning}")
     base = copy.deepcopy(loaded.hf_model)
     try:
         with warnings.catch_warnings():  # transformers deprecations peft triggers, not ours
