@@ -370,8 +370,20 @@ def test_eval_json_and_report(word_model, tmp_path, monkeypatch, capsys):
     assert code == 0
     assert page.startswith("# Quality results") and "make results" in page
     assert "## niah: single needle" in page and "| `full` | 100% (1) |" in page
+    findings = tmp_path / "findings.md"
+    findings.write_text("## What the numbers say\n\nSPEED keeps the needle.\n")
+    code, page, _ = run_cli(
+        ["eval-report", str(out), "--findings", str(findings)], monkeypatch, capsys
+    )
+    assert code == 0
+    assert page.index("## Overview") < page.index("SPEED keeps the needle.")
+    assert page.index("SPEED keeps the needle.") < page.index("## How the tasks are built")
     code, _, err = run_cli(["eval-report", str(tmp_path / "none")], monkeypatch, capsys)
     assert code == 2 and "does not exist" in err
+    code, _, err = run_cli(
+        ["eval-report", str(out), "--findings", str(tmp_path / "nope.md")], monkeypatch, capsys
+    )
+    assert code == 2 and "findings file" in err
 
 
 def test_results_markdown_names_the_setup():

@@ -105,3 +105,16 @@ def test_pyramidinfer_bytes_follow_its_schedule(tiny, tiny_engine):
     assert result.layer_lengths == expected
     assert result.kv_bytes == sum(expected) * per_entry(tiny)
     assert policy.ratio(0) == 1.0 and policy.ratio(L) == pytest.approx(d)
+
+
+PEERS = ["pop", "swiftkv", "fastkv", "specprefill", "gemfilter", "snapkv", "streamingllm",
+         "h2o", "pyramidinfer", "speed:lcut=4", "speed:lcut=4,anchors=none"]  # fmt: skip
+
+
+@pytest.mark.parametrize("spec", PEERS)
+@pytest.mark.parametrize("n", [1, 2, 9, 40])
+def test_short_prompts_generate_at_default_settings(tiny, tiny_engine, spec, n):
+    # prompts no longer than a method's observation window or budget (chat-sized questions)
+    # must still decode; FastKV once failed here with an empty window-score tensor
+    out = run(tiny_engine, tiny.shape, spec, n=n, new=4)
+    assert len(out.output_ids) == 4 and out.kv_bytes > 0

@@ -57,7 +57,7 @@ def attention_probs(
 
 def pool1d(scores: torch.Tensor, kernel: int, kind: str = "max") -> torch.Tensor:
     """Same-length 1-D pooling along the last dimension (padding kernel // 2)."""
-    if kernel <= 1:
+    if kernel <= 1 or scores.shape[-1] == 0:  # nothing precedes a window covering the prompt
         return scores
     shape = scores.shape
     flat = scores.reshape(-1, 1, shape[-1])

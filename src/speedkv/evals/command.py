@@ -106,6 +106,11 @@ def register(app: typer.Typer) -> None:
         command: str | None = typer.Option(
             None, "--command", help="The command that regenerates it, quoted in the page."
         ),
+        findings: Path | None = typer.Option(
+            None,
+            "--findings",
+            help="A markdown file of what the numbers say, placed after the overview table.",
+        ),
         as_json: bool = typer.Option(False, "--json", help="Print the summary as JSON."),
     ) -> None:
         """Print the results page (markdown) of an evaluation: setup, method, every table."""
@@ -114,8 +119,11 @@ def register(app: typer.Typer) -> None:
         path = directory / "results.json"
         if not path.is_file():
             raise UserError(f"'{path}' does not exist; run `speedkv eval --out {directory}` first")
+        if findings is not None and not findings.is_file():
+            raise UserError(f"findings file '{findings}' does not exist")
         result = json.loads(path.read_text())
         if as_json:
             print(json.dumps(result["summary"], indent=2))
         else:
-            print(results_markdown(result, command, str(directory)), end="")
+            notes = findings.read_text() if findings is not None else None
+            print(results_markdown(result, command, str(directory), notes), end="")

@@ -281,8 +281,17 @@ def plot_fidelity(result: dict, out: Path) -> Path | None:
 
 
 # -- docs/results.md ----------------------------------------------------------------------------
-def results_markdown(result: dict, command: str | None = None, directory: str | None = None) -> str:
-    """The whole results page: what was run, how tasks are built and scored, every table."""
+def results_markdown(
+    result: dict,
+    command: str | None = None,
+    directory: str | None = None,
+    findings: str | None = None,
+) -> str:
+    """The whole results page: what was run, how tasks are built and scored, every table.
+
+    `findings` is hand-written markdown placed after the overview; the tables around it are
+    regenerated from the records, so the reading of them survives a re-run.
+    """
     cfg = result["config"]
     versions = result.get("versions", {})
     header = result.get("header", {})
@@ -320,6 +329,10 @@ def results_markdown(result: dict, command: str | None = None, directory: str | 
         "Each task's headline number per method and prompt length (details below).",
         "",
         overview_table(result["summary"]),
+    ]
+    if findings:
+        lines += [findings.strip(), ""]
+    lines += [
         METHODOLOGY,
         markdown_tables(result, level="##"),
     ]

@@ -8,7 +8,7 @@ import torch
 from ..compat import ModelShape
 from ..errors import UserError
 from ..policy import LayerView, Policy, PromptInfo, Stream
-from ..scoring import group_heads, scaled_layer, top_plus_window, window_scores
+from ..scoring import budget, group_heads, scaled_layer, top_plus_window, window_scores
 
 
 def resolve_layer(value: int | None, reference: int, shape: ModelShape, name: str) -> int:
@@ -25,6 +25,13 @@ def check_window_options(window: int, kernel: int, pool: str) -> None:
         raise UserError("window and kernel must be at least 1")
     if pool not in ("max", "avg"):
         raise UserError(f"pool must be 'max' or 'avg', got '{pool}'")
+
+
+def window_budget(value: float, n: int, window: int, what: str) -> int:
+    """Entries a window-scored selection keeps out of n: the budget, but never fewer than the
+    observation window itself, which SnapKV and FastKV always keep (so a prompt shorter than
+    the window is kept whole rather than emptied)."""
+    return max(budget(value, n, what), min(window, n))
 
 
 def layer_window_scores(view: LayerView, window: int, kernel: int, pool: str) -> torch.Tensor:

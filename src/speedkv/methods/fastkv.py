@@ -5,12 +5,13 @@ the window) to every key; per token, sum over those queries, then 1-D pool along
 (`pool`, `kernel`). Grouped-query heads are summed per KV head.
 
 - KV retention, every layer, prefill only: each KV head keeps its top `C - window` earlier
-  entries plus the last `window`; `C = retain * n` of the layer's entries (no compression when
-  the layer holds fewer than C). Prefill attention itself uses the layer's uncompressed K/V.
+  entries plus the last `window`; `C = retain * n` of the layer's entries, at least the
+  window (no compression when the layer holds fewer than C). Prefill attention itself uses
+  the layer's uncompressed K/V.
 - TSP at `tsp_layer`: scores summed over KV heads pick the top `T - window` tokens plus the
-  last `window` (`T = tsp_rate * N`); later layers run only on those tokens, at their original
-  positions. Those layers retain `retain / tsp_rate` of their reduced length, so every layer
-  ends near `retain * N` entries.
+  last `window` (`T = tsp_rate * N`, at least the window); later layers run only on those
+  tokens, at their original positions. Those layers retain `retain / tsp_rate` of their
+  reduced length, so every layer ends near `retain * N` entries.
 
 `retain` and `tsp_rate` are fractions in (0, 1] or whole token counts. Defaults are the
 authors' (window 8, kernel 7, max-pool, TSP rate 0.2, retain 0.1); `tsp_layer` defaults to
@@ -26,7 +27,13 @@ import torch
 
 from ..policy import LayerView, Policy, PromptInfo, Stream, register
 from ..scoring import budget, check_budget, top_plus_window
-from .common import check_window_options, keep_per_head, layer_window_scores, resolve_layer
+from .common import (
+    check_window_options,
+    keep_per_head,
+    layer_window_scores,
+    resolve_layer,
+    window_budget,
+)
 
 
 @register
@@ -64,7 +71,7 @@ class FastKV(Policy):
         n = view.kv.length
         self.scores = layer_window_scores(view, cfg.window, cfg.kernel, cfg.pool)  # [Hq, n - w]
         if layer == cfg.tsp_layer:
-            keep = budget(cfg.tsp_rate, self.n, "tsp_rate")
+            keep = window_budget(cfg.tsp_rate, self.n, cfg.window, "tsp_rate")
             if keep < n:
                 index = top_plus_window(self.scores.sum(0, keepdim=True), keep, n)[0]
                 self.selected = torch.zeros(n, dtype=torch.bool, device=self.scores.device)
@@ -82,7 +89,10 @@ class FastKV(Policy):
         return keep_per_head(self.scores, keep, n, self.shape.num_kv_heads)
 
     def retained(self, layer: int, n: int) -> int:
-        """Entries layer `layer` keeps out of its n."""
+        """Entries layer `layer` keeps out of its n (never fewer than the window)."""
+        return max(self._retain_budget(layer, n), min(self.config.window, n))
+
+    def _retain_budget(self, layer: int, n: int) -> int:
         cfg = self.config
         if cfg.retain > 1:
             return min(int(cfg.retain), n)

@@ -3,7 +3,7 @@
 In every layer after prefill: the last `window` queries attend to all keys; per entry the
 scores are summed over those queries and pooled along tokens (`kernel`, `pool`); each head
 keeps its top `C - window` earlier entries plus the window, `C = retain * n` (a fraction, or
-a whole token count). Prefill compute is unchanged; only the cache shrinks.
+a whole token count) but at least the window. Prefill compute is unchanged; only the cache shrinks.
 
 `gqa=false` is the reference: selection per query head, after expanding grouped K/V, so the
 cache holds one copy per query head. `gqa=true` sums the scores over each KV head's query
@@ -18,8 +18,8 @@ from dataclasses import dataclass
 import torch
 
 from ..policy import LayerView, Policy, PromptInfo, register
-from ..scoring import budget, check_budget
-from .common import check_window_options, keep_per_head, layer_window_scores
+from ..scoring import check_budget
+from .common import check_window_options, keep_per_head, layer_window_scores, window_budget
 
 
 @register
@@ -49,11 +49,13 @@ class SnapKV(Policy):
     def kept(self, layer: int, view: LayerView) -> torch.Tensor | None:
         cfg = self.config
         n = view.kv.length
-        keep = budget(cfg.retain, n, "retain")
+        keep = window_budget(cfg.retain, n, cfg.window, "retain")
         if keep >= n:
             return None
         scores = layer_window_scores(view, cfg.window, cfg.kernel, cfg.pool)
         return keep_per_head(scores, keep, n, self.shape.num_kv_heads if cfg.gqa else None)
 
     def summary(self) -> dict:
-        return {"prompt_tokens": self.n, "kept": budget(self.config.retain, self.n, "retain")}
+        cfg = self.config
+        kept = window_budget(cfg.retain, self.n, cfg.window, "retain")
+        return {"prompt_tokens": self.n, "kept": kept}
