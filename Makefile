@@ -45,7 +45,7 @@ bench: install
 		--new-tokens 128 --repeats 3 --out benchmarks/smollm2 --resume --readme benchmarks/README.md
 
 # Quality tables in docs/results.md: every method on needle, fidelity and sanity tasks at 2K and
-# 4K tokens (about 1.5-2 h on 2 quiet cores). Resumable: rerun after an interruption to continue.
+# 4K tokens (about 2.5 h of runs here). Resumable: rerun after an interruption to continue.
 RESULTS_METHODS := full;speed:lcut=15,anchors=bos;speed:lcut=15,anchors=none;speed:lcut=22,anchors=bos;speed:lcut=22,anchors=none;speed:lcut=26,anchors=bos;speed:lcut=26,anchors=none;speed:lcut=22,anchors=bos,selfonly=true;pop;swiftkv;fastkv;specprefill;gemfilter;snapkv;streamingllm;h2o;pyramidinfer
 RESULTS_N := niah=10,niah_multikey=4,niah_multivalue=3,vt=3,fidelity=4,sanity=12
 RESULTS_FLAGS ?=  # e.g. RESULTS_FLAGS=--threads=1 when other jobs share the CPU
@@ -55,8 +55,8 @@ results: install
 	$(VENV)/bin/speedkv eval --model smollm2-135m --dtype bfloat16 --methods "$(RESULTS_METHODS)" \
 		--tasks niah,niah_multikey,niah_multivalue,vt,fidelity,sanity --lengths 2048,4096 \
 		--n $(RESULTS_N) --seed 0 --out runs/eval --resume $(RESULTS_FLAGS)
-	$(VENV)/bin/speedkv eval-report runs/eval --command "make results" > docs/results.md.tmp
-	mv docs/results.md.tmp docs/results.md
+	$(VENV)/bin/speedkv eval-report runs/eval --command "make results" \
+		--findings docs/results-findings.md --page docs/results.md
 
 # SPEED-aware LoRA (docs/training.md). One recipe for every run, so SPEED and full-depth LoRA
 # compare fairly; re-running a target resumes its run where it stopped.

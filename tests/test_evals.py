@@ -378,6 +378,18 @@ def test_eval_json_and_report(word_model, tmp_path, monkeypatch, capsys):
     assert code == 0
     assert page.index("## Overview") < page.index("SPEED keeps the needle.")
     assert page.index("SPEED keeps the needle.") < page.index("## How the tasks are built")
+    docs = tmp_path / "docs" / "results.md"
+    code, stdout, _ = run_cli(
+        ["eval-report", str(out), "--findings", str(findings), "--page", str(docs)],
+        monkeypatch,
+        capsys,
+    )
+    assert code == 0 and stdout == ""
+    written = docs.read_text()
+    assert "SPEED keeps the needle." in written
+    assert "](results/overview.png)" in written  # the run made no fidelity plot: not linked
+    assert "fidelity.png)" not in written
+    assert (docs.parent / "results" / "overview.png").stat().st_size > 10_000
     code, _, err = run_cli(["eval-report", str(tmp_path / "none")], monkeypatch, capsys)
     assert code == 2 and "does not exist" in err
     code, _, err = run_cli(

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import shutil
 from pathlib import Path
 
 import typer
@@ -111,10 +112,16 @@ def register(app: typer.Typer) -> None:
             "--findings",
             help="A markdown file of what the numbers say, placed after the overview table.",
         ),
+        page: Path | None = typer.Option(
+            None,
+            "--page",
+            help="Write the page to this file instead of stdout, with its plots in a folder of "
+            "the same name beside it (docs/results.md -> docs/results/).",
+        ),
         as_json: bool = typer.Option(False, "--json", help="Print the summary as JSON."),
     ) -> None:
         """Print the results page (markdown) of an evaluation: setup, method, every table."""
-        from .report import results_markdown
+        from .report import FIGURES, results_markdown
 
         path = directory / "results.json"
         if not path.is_file():
@@ -124,6 +131,17 @@ def register(app: typer.Typer) -> None:
         result = json.loads(path.read_text())
         if as_json:
             print(json.dumps(result["summary"], indent=2))
-        else:
-            notes = findings.read_text() if findings is not None else None
+            return
+        notes = findings.read_text() if findings is not None else None
+        if page is None:
             print(results_markdown(result, command, str(directory), notes), end="")
+            return
+        figures = page.with_suffix("")
+        figures.mkdir(parents=True, exist_ok=True)
+        shown = [name for name in FIGURES if (directory / name).is_file()]
+        for name in shown:
+            shutil.copyfile(directory / name, figures / name)
+        links = [f"{figures.name}/{name}" for name in shown]
+        text = results_markdown(result, command, str(directory), notes, links)
+        page.write_text(text)
+        log(f"wrote {page} and its plots in {figures}/")

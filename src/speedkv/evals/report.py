@@ -128,20 +128,30 @@ HEADLINE = {  # task -> (summary key, column label, format) for the overview tab
 }
 
 
-def overview_table(summary: list[dict]) -> str:
-    """One row per method, one column per task and length: each task's headline number."""
+def overview_columns(summary: list[dict]) -> tuple[list[str], list[tuple[str, int]], list]:
+    """Methods, (task, length) columns and the headline values of the overview, NaN if absent."""
     columns = list(dict.fromkeys((r["task"], r["length"]) for r in summary))
     methods = list(dict.fromkeys(r["method"] for r in summary))
     cells = {(r["method"], r["task"], r["length"]): r for r in summary}
-    labels = [HEADLINE[t][1] + ("" if n == SHORT else f" {_length_label(n)}") for t, n in columns]
+    values = [
+        [cells[(m, t, n)][HEADLINE[t][0]] if (m, t, n) in cells else math.nan for t, n in columns]
+        for m in methods
+    ]
+    return methods, columns, values
+
+
+def column_label(task: str, length: int) -> str:
+    return HEADLINE[task][1] + ("" if length == SHORT else f" {_length_label(length)}")
+
+
+def overview_table(summary: list[dict]) -> str:
+    """One row per method, one column per task and length: each task's headline number."""
+    methods, columns, values = overview_columns(summary)
+    labels = [column_label(t, n) for t, n in columns]
     lines = ["| method | " + " | ".join(labels) + " |", "|---|" + "---:|" * len(columns)]
-    for method in methods:
-        values = []
-        for task, n in columns:
-            key, _, fmt = HEADLINE[task]
-            row = cells.get((method, task, n))
-            values.append("–" if row is None else fmt(row[key]))
-        lines.append(f"| `{method}` | " + " | ".join(values) + " |")
+    for method, row in zip(methods, values):
+        cells = ["–" if math.isnan(v) else HEADLINE[t][2](v) for (t, _), v in zip(columns, row)]
+        lines.append(f"| `{method}` | " + " | ".join(cells) + " |")
     return "\n".join(lines) + "\n"
 
 
@@ -174,6 +184,7 @@ def write_outputs(result: dict, out: Path, plots: bool = True) -> None:
     (out / "tables.md").write_text(markdown_tables(result))
     (out / "misses.md").write_text(misses_markdown(result))
     if plots:
+        plot_overview(result, out)
         plot_needles(result, out)
         plot_fidelity(result, out)
 
@@ -200,6 +211,39 @@ def _pyplot():
     import matplotlib.pyplot as plt
 
     return plt
+
+
+def plot_overview(result: dict, out: Path) -> Path | None:
+    """The overview table as one coloured grid: a row per method, a column per task and length."""
+    if not result["summary"]:
+        return None
+    plt = _pyplot()
+    methods, columns, values = overview_columns(result["summary"])
+    labels = [column_label(t, n).replace(" ", "\n") for t, n in columns]
+    # colour = the value for accuracies; perplexity ratios run from 1 (green) to 1.5 (red)
+    ratio = [HEADLINE[t][0] == "ppl_ratio" for t, _ in columns]
+    colours = [[max(0.0, 3 - 2 * v) if r else v for r, v in zip(ratio, row)] for row in values]
+    fig, ax = plt.subplots(figsize=(3.5 + 0.85 * len(labels), 1.2 + 0.42 * len(methods)))
+    ax.imshow(colours, vmin=0, vmax=1, cmap="RdYlGn", aspect="auto")
+    for i, row in enumerate(values):
+        for j, value in enumerate(row):
+            fmt = HEADLINE[columns[j][0]][2]
+            text = "–" if math.isnan(value) else fmt(value).rstrip("%")
+            ax.text(j, i, text, ha="center", va="center", fontsize=7)
+    ax.set_xticks(range(len(labels)), labels, fontsize=7)
+    ax.xaxis.tick_top()
+    ax.set_yticks(range(len(methods)), [wrap_spec(m, 60) for m in methods], fontsize=7)
+    ax.set_title(
+        f"{result['config']['model']}: accuracy or recall % (needle tasks, sanity) and "
+        "perplexity ratio to full (red from 1.5); green = as good as full",
+        fontsize=8,
+        pad=28,
+    )
+    fig.tight_layout()
+    path = out / "overview.png"
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
 
 
 def plot_needles(result: dict, out: Path) -> list[Path]:
@@ -280,17 +324,25 @@ def plot_fidelity(result: dict, out: Path) -> Path | None:
     return path
 
 
+FIGURES = {  # plots a results page shows (as write_outputs names them) and their alt text
+    "overview.png": "every method's headline numbers, coloured against full",
+    "fidelity.png": "perplexity ratio, top-1 agreement and KL against full",
+}
+
+
 # -- docs/results.md ----------------------------------------------------------------------------
 def results_markdown(
     result: dict,
     command: str | None = None,
     directory: str | None = None,
     findings: str | None = None,
+    figures: list[str] | None = None,
 ) -> str:
     """The whole results page: what was run, how tasks are built and scored, every table.
 
     `findings` is hand-written markdown placed after the overview; the tables around it are
-    regenerated from the records, so the reading of them survives a re-run.
+    regenerated from the records, so the reading of them survives a re-run. `figures` are
+    paths, relative to the page, of FIGURES to show under the overview.
     """
     cfg = result["config"]
     versions = result.get("versions", {})
@@ -330,6 +382,8 @@ def results_markdown(
         "",
         overview_table(result["summary"]),
     ]
+    if figures:
+        lines += [f"![{FIGURES[Path(path).name]}]({path})\n" for path in figures]
     if findings:
         lines += [findings.strip(), ""]
     lines += [
