@@ -396,6 +396,8 @@ def test_eval_json_and_report(word_model, tmp_path, monkeypatch, capsys):
         ["eval-report", str(out), "--findings", str(tmp_path / "nope.md")], monkeypatch, capsys
     )
     assert code == 2 and "findings file" in err
+    code, _, err = run_cli(["eval-report", str(out), "--page", str(tmp_path)], monkeypatch, capsys)
+    assert code == 2 and "ending in .md" in err
 
 
 def test_results_markdown_names_the_setup():

@@ -128,6 +128,8 @@ def register(app: typer.Typer) -> None:
             raise UserError(f"'{path}' does not exist; run `speedkv eval --out {directory}` first")
         if findings is not None and not findings.is_file():
             raise UserError(f"findings file '{findings}' does not exist")
+        if page is not None and page.suffix != ".md":
+            raise UserError(f"--page must name a markdown file ending in .md, got '{page}'")
         result = json.loads(path.read_text())
         if as_json:
             print(json.dumps(result["summary"], indent=2))
