@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
+SMOOTH_POINTS = 10  # logged points in the moving average of the loss curves
+
 
 def plot_history(history: list[dict], path: Path, title: str) -> None:
     """Loss (and its CE / KL parts) against steps, with wall minutes on a second axis;
@@ -19,12 +21,17 @@ def plot_history(history: list[dict], path: Path, title: str) -> None:
     fig, axes = plt.subplots(panels, 1, figsize=(7, 3.6 * panels), squeeze=False)
     ax = axes[0][0]
     steps = [h["step"] for h in rows]
-    for key, label in (("loss", "loss"), ("ce", "cross-entropy"), ("kl", "KL to full depth")):
+    parts = (("loss", "loss"), ("ce", "cross-entropy"), ("kl", "KL to full depth"))
+    for index, (key, label) in enumerate(parts):
         values = [h.get(key) for h in rows]
-        if any(v is not None for v in values) and (key == "loss" or "kl" in rows[0]):
-            ax.plot(steps, values, label=label, linewidth=1.2)
+        if None in values or (key == "kl" and "kl" not in rows[0]):
+            continue
+        # one logged point averages a few one-example steps of mixed task kinds: the raw line
+        # is mostly which examples they were, the moving average is the trend
+        ax.plot(steps, values, color=f"C{index}", linewidth=0.8, alpha=0.3)
+        ax.plot(steps, moving_average(values, SMOOTH_POINTS), color=f"C{index}", label=label)
     ax.set_xlabel("optimizer step")
-    ax.set_ylabel("loss per response token")
+    ax.set_ylabel(f"loss per response token\n(faint: as logged; bold: mean of {SMOOTH_POINTS})")
     ax.set_title(title, fontsize=9)
     ax.grid(alpha=0.3)
     if ax.get_legend_handles_labels()[0]:
@@ -58,8 +65,19 @@ def plot_history(history: list[dict], path: Path, title: str) -> None:
         left.grid(alpha=0.3)
         handles = left.get_legend_handles_labels()
         extra = right.get_legend_handles_labels()
-        left.legend(handles[0] + extra[0], handles[1] + extra[1], fontsize=8)
+        left.legend(handles[0] + extra[0], handles[1] + extra[1], fontsize=8, loc="center right")
     fig.tight_layout()
     path.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(path, dpi=110)
     plt.close(fig)
+
+
+def moving_average(values: list[float], points: int) -> list[float]:
+    """Mean of each value and up to `points - 1` before it (a trailing window)."""
+    out, total = [], 0.0
+    for index, value in enumerate(values):
+        total += value
+        if index >= points:
+            total -= values[index - points]
+        out.append(total / min(index + 1, points))
+    return out
