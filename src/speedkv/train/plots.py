@@ -32,23 +32,14 @@ def plot_history(history: list[dict], path: Path, title: str) -> None:
         ax.plot(steps, moving_average(values, SMOOTH_POINTS), color=f"C{index}", label=label)
     ax.set_xlabel("optimizer step")
     ax.set_ylabel(f"loss per response token\n(faint: as logged; bold: mean of {SMOOTH_POINTS})")
+    if rows and rows[-1].get("wall_s"):
+        title = f"{title}: {steps[-1]} steps in {rows[-1]['wall_s'] / 60:.1f} min"
     ax.set_title(title, fontsize=9)
     ax.grid(alpha=0.3)
     if ax.get_legend_handles_labels()[0]:
         ax.legend(fontsize=8)
     else:
         ax.text(0.5, 0.5, "no loss logged yet", ha="center", transform=ax.transAxes)
-    if rows and rows[-1].get("wall_s"):
-        minutes = rows[-1]["wall_s"] / 60
-        ax.text(
-            0.99,
-            0.97,
-            f"{steps[-1]} steps in {minutes:.1f} min",
-            ha="right",
-            va="top",
-            transform=ax.transAxes,
-            fontsize=8,
-        )
     if probes:
         left = axes[1][0]
         right = left.twinx()  # accuracies on the left, perplexity on the right
