@@ -342,6 +342,20 @@ def test_a_run_trains_checkpoints_and_resumes_exactly(tiny_model_dir, tmp_path):
     assert (out / "checkpoints" / "checkpoint-2" / "training.json").is_file()
     finished = adapter_weights(out)
 
+    # train-compare reads the probes of a finished run, and of a checkpoint mid-run
+    from speedkv.train.compare import run_probes
+    from speedkv.train.plots import plot_probe_comparison
+
+    done = run_probes(out)
+    assert done["finished"] and [p["step"] for p in done["probes"]] == [0, 2, 4]
+    assert [p["ppl"] for p in done["probes"]] == [h["probe_ppl"] for h in probes]
+    midway = run_probes(out / "checkpoints" / "checkpoint-2")
+    assert not midway["finished"] and [p["step"] for p in midway["probes"]] == [0, 2]
+    plot_probe_comparison([done, midway], tmp_path / "probes.png", "step")
+    assert (tmp_path / "probes.png").stat().st_size > 10_000
+    with pytest.raises(UserError, match="holds no training run"):
+        run_probes(tmp_path)
+
     with pytest.raises(UserError, match="already holds a training run"):
         run_training(config(out))
     changed = config(out)
@@ -409,3 +423,19 @@ def test_training_forward_matches_engine_on_smollm2(smollm2):
         got = response_logits(smollm2.backbone, torch.tensor(prompt + response), 380, vis)
     assert torch.equal(got.argmax(-1), expected.argmax(-1))
     assert torch.allclose(got, expected, atol=2e-3, rtol=0), (got - expected).abs().max()
+
+
+def test_train_compare_rejects_bad_arguments(monkeypatch, capsys, tmp_path):
+    from speedkv import cli
+
+    cases = [
+        ([str(tmp_path)], "holds no training run"),
+        ([str(tmp_path), "--x", "hours"], "--x must be 'minutes' or 'step'"),
+        ([str(tmp_path), "--plot", str(tmp_path / "p.svg")], "give a path ending in .png"),
+    ]
+    for args, message in cases:
+        monkeypatch.setattr(sys, "argv", ["speedkv", "train-compare", *args])
+        with pytest.raises(SystemExit) as stop:
+            cli.main()
+        err = capsys.readouterr().err
+        assert stop.value.code == 2 and message in err and "Traceback" not in err, err

@@ -1,4 +1,4 @@
-"""`speedkv train` and `speedkv train-bench`."""
+"""`speedkv train`, `speedkv train-bench` and `speedkv train-compare`."""
 
 from __future__ import annotations
 
@@ -138,6 +138,35 @@ def register(app: typer.Typer) -> None:
             f"final loss {record['final_loss']}"
         )
         print(f"adapter: {out}  (use it with --adapter {out})")
+
+    @app.command("train-compare")
+    def train_compare(
+        runs: list[Path] = typer.Argument(
+            ..., help="Run directories (finished or still running) or shipped adapter folders."
+        ),
+        plot: Path | None = typer.Option(None, "--plot", help="Write the curves to this PNG."),
+        x_axis: str = typer.Option(
+            "minutes", "--x", help="x axis of the plot: 'minutes' (training wall time) or 'step'."
+        ),
+        as_json: bool = typer.Option(False, "--json", help="Print JSON."),
+    ) -> None:
+        """Quality against training time: the probe points of several runs side by side."""
+        from .compare import probe_table, run_probes
+        from .plots import plot_probe_comparison
+
+        if x_axis not in ("minutes", "step"):
+            raise UserError(f"--x must be 'minutes' or 'step', got '{x_axis}'")
+        if plot is not None and plot.suffix.lower() != ".png":
+            raise UserError(f"--plot writes a PNG; give a path ending in .png, not '{plot}'")
+        found = [run_probes(run) for run in runs]
+        if plot is not None:
+            plot_probe_comparison(found, plot, x_axis)
+        if as_json:
+            print(json.dumps(found, indent=2))
+            return
+        print(probe_table(found))
+        if plot is not None:
+            print(f"plot: {plot}")
 
     @app.command("train-bench")
     def train_bench(

@@ -72,3 +72,51 @@ def moving_average(values: list[float], points: int) -> list[float]:
             total -= values[index - points]
         out.append(total / min(index + 1, points))
     return out
+
+
+def plot_probe_comparison(runs: list[dict], path: Path, x_axis: str = "minutes") -> None:
+    """Calibration perplexity and pass-key accuracy of several runs' probes against training
+    minutes (or optimizer steps): quality against training time, one line per run."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    from .compare import run_label
+
+    key, x_label = (
+        ("wall_min", "training wall minutes")
+        if x_axis == "minutes"
+        else (
+            "step",
+            "optimizer step",
+        )
+    )
+    fig, (ppl_axis, acc_axis) = plt.subplots(1, 2, figsize=(11, 4))
+    for index, run in enumerate(runs):
+        xs = [p[key] for p in run["probes"]]
+        label = run_label(run)
+        ppl_axis.plot(
+            xs, [p["ppl"] for p in run["probes"]], marker="o", color=f"C{index}", label=label
+        )
+        acc_axis.plot(
+            xs,
+            [p["passkey_acc"] for p in run["probes"]],
+            marker="o",
+            color=f"C{index}",
+            label=label,
+        )
+    ppl_axis.set_ylabel("perplexity of calib passages (lower is better)")
+    acc_axis.set_ylabel("pass keys found (calib prompts)")
+    acc_axis.set_ylim(-0.05, 1.05)
+    for axis in (ppl_axis, acc_axis):
+        axis.set_xlabel(x_label)
+        axis.grid(alpha=0.3)
+    ppl_axis.legend(fontsize=8)
+    fig.suptitle(
+        "training probes: each method measured through its own inference path", fontsize=10
+    )
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
