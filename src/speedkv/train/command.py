@@ -151,10 +151,10 @@ def register(app: typer.Typer) -> None:
         as_json: bool = typer.Option(False, "--json", help="Print JSON."),
     ) -> None:
         """Quality against training time: the probe points of several runs side by side."""
-        from .compare import probe_table, run_probes
+        from .compare import X_AXES, probe_table, run_probes
         from .plots import plot_probe_comparison
 
-        if x_axis not in ("minutes", "step"):
+        if x_axis not in X_AXES:
             raise UserError(f"--x must be 'minutes' or 'step', got '{x_axis}'")
         if plot is not None and plot.suffix.lower() != ".png":
             raise UserError(f"--plot writes a PNG; give a path ending in .png, not '{plot}'")

@@ -9,6 +9,8 @@ from pathlib import Path
 from ..errors import UserError
 from .adapters import INFO_NAME
 
+X_AXES = {"minutes": ("wall_min", "training wall minutes"), "step": ("step", "optimizer step")}
+
 
 def run_probes(run: Path) -> dict:
     """The method and probe points of a run directory, a checkpoint or a shipped adapter.
@@ -19,13 +21,12 @@ def run_probes(run: Path) -> dict:
     info_path = run / INFO_NAME
     info = json.loads(info_path.read_text()) if info_path.is_file() else None
     history = (info or {}).get("log_history")
-    state = _latest_trainer_state(run)
-    if history is None and state is not None:
-        history = json.loads(state.read_text())["log_history"]
-        if info is None:
-            info = json.loads((state.parent / INFO_NAME).read_text())
-    if info is None or history is None:
-        raise UserError(f"'{run}' holds no training run (no {INFO_NAME} and no checkpoints)")
+    if history is None:
+        checkpoint = _latest_checkpoint(run)
+        if checkpoint is None:
+            raise UserError(f"'{run}' holds no training run (no {INFO_NAME} and no checkpoints)")
+        history = json.loads((checkpoint / "trainer_state.json").read_text())["log_history"]
+        info = info or json.loads((checkpoint / INFO_NAME).read_text())
     points = [
         {
             "step": int(h["step"]),
@@ -42,19 +43,22 @@ def run_probes(run: Path) -> dict:
     return {"run": str(run), "method": info["method"], "finished": finished, "probes": points}
 
 
-def _latest_trainer_state(run: Path) -> Path | None:
-    states = list(run.glob("checkpoints/checkpoint-*/trainer_state.json"))
-    states += list(run.glob("trainer_state.json"))
-    if not states:
-        return None
-    return max(states, key=lambda p: json.loads(p.read_text()).get("global_step", 0))
+def _latest_checkpoint(run: Path) -> Path | None:
+    """The checkpoint itself, or a run's highest-numbered one (the trainer's own naming)."""
+    if (run / "trainer_state.json").is_file():
+        return run
+    checkpoints = [p for p in run.glob("checkpoints/checkpoint-*") if p.name[11:].isdigit()]
+    return max(checkpoints, key=lambda p: int(p.name[11:]), default=None)
+
+
+def _short_method(run: dict) -> str:
+    return run["method"].split(",")[0]  # 'speed:lcut=22' or 'full'
 
 
 def run_label(run: dict) -> str:
     """Short legend text: the directory name and the method's cutoff."""
-    method = run["method"].split(",")[0]  # 'speed:lcut=22' or 'full'
     state = "" if run["finished"] else ", unfinished"
-    return f"{Path(run['run']).name} ({method}{state})"
+    return f"{Path(run['run']).name} ({_short_method(run)}{state})"
 
 
 def probe_table(runs: list[dict]) -> str:
@@ -64,8 +68,7 @@ def probe_table(runs: list[dict]) -> str:
         "|---|---|---:|---:|---:|---:|",
     ]
     for run in runs:
-        name = Path(run["run"]).name
-        method = run["method"].split(",")[0]
+        name, method = Path(run["run"]).name, _short_method(run)
         for p in run["probes"]:
             lines.append(
                 f"| {name} | {method} | {p['step']} | {p['wall_min']:.1f} | "

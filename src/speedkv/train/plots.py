@@ -8,7 +8,7 @@ SMOOTH_POINTS = 10  # logged points in the moving average of the loss curves
 
 
 def plot_history(history: list[dict], path: Path, title: str) -> None:
-    """Loss (and its CE / KL parts) against steps, with wall minutes on a second axis;
+    """Loss (and its CE / KL parts) against steps, steps and wall minutes in the title;
     a second panel for probe results if there are any."""
     import matplotlib
 
@@ -82,30 +82,15 @@ def plot_probe_comparison(runs: list[dict], path: Path, x_axis: str = "minutes")
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    from .compare import run_label
+    from .compare import X_AXES, run_label
 
-    key, x_label = (
-        ("wall_min", "training wall minutes")
-        if x_axis == "minutes"
-        else (
-            "step",
-            "optimizer step",
-        )
-    )
+    key, x_label = X_AXES[x_axis]
     fig, (ppl_axis, acc_axis) = plt.subplots(1, 2, figsize=(11, 4))
     for index, run in enumerate(runs):
         xs = [p[key] for p in run["probes"]]
-        label = run_label(run)
-        ppl_axis.plot(
-            xs, [p["ppl"] for p in run["probes"]], marker="o", color=f"C{index}", label=label
-        )
-        acc_axis.plot(
-            xs,
-            [p["passkey_acc"] for p in run["probes"]],
-            marker="o",
-            color=f"C{index}",
-            label=label,
-        )
+        for axis, value in ((ppl_axis, "ppl"), (acc_axis, "passkey_acc")):
+            ys = [p[value] for p in run["probes"]]
+            axis.plot(xs, ys, marker="o", color=f"C{index}", label=run_label(run))
     ppl_axis.set_ylabel("perplexity of calib passages (lower is better)")
     acc_axis.set_ylabel("pass keys found (calib prompts)")
     acc_axis.set_ylim(-0.05, 1.05)
