@@ -88,9 +88,17 @@ def plot_probe_comparison(runs: list[dict], path: Path, x_axis: str = "minutes")
     fig, (ppl_axis, acc_axis) = plt.subplots(1, 2, figsize=(11, 4))
     for index, run in enumerate(runs):
         xs = [p[key] for p in run["probes"]]
+        # Pass-key scores are quarters and often equal across runs: shrinking markers and
+        # varied dashes keep every run visible where the lines coincide.
+        style = {
+            "marker": "os^Dv"[index % 5],
+            "markersize": max(3.0, 9.0 - 1.5 * index),
+            "linestyle": ("-", "--", "-.", ":")[index % 4],
+            "color": f"C{index}",
+            "label": run_label(run),
+        }
         for axis, value in ((ppl_axis, "ppl"), (acc_axis, "passkey_acc")):
-            ys = [p[value] for p in run["probes"]]
-            axis.plot(xs, ys, marker="o", color=f"C{index}", label=run_label(run))
+            axis.plot(xs, [p[value] for p in run["probes"]], **style)
     ppl_axis.set_ylabel("perplexity of calib passages (lower is better)")
     acc_axis.set_ylabel("pass keys found (calib prompts)")
     acc_axis.set_ylim(-0.05, 1.05)
