@@ -6,8 +6,8 @@ import pytest
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
 
-from speedkv.engine import Engine
-from speedkv.models import LoadedModel
+from speedkv.core.engine import Engine
+from speedkv.hf.loading import LoadedModel
 
 TINY = dict(
     vocab_size=101,
@@ -56,6 +56,6 @@ def random_prompt(n: int, vocab: int = 101, seed: int = 1) -> list[int]:
 @pytest.fixture(scope="session")
 def smollm2() -> LoadedModel:
     """The embedded default model in float32, loaded once for every real-model test."""
-    from speedkv.models import load_model
+    from speedkv.hf.loading import load_model
 
     return load_model("smollm2-135m", dtype="float32", device="cpu", progress=False)

@@ -6,9 +6,9 @@ import sys
 
 import torch
 
-from speedkv import cli
-from speedkv.engine import Engine
-from speedkv.policy import Policy
+from speedkv.cli import app as cli
+from speedkv.core.engine import Engine
+from speedkv.core.policy import Policy
 
 
 def greedy_with_logits(engine: Engine, ids: list[int], policy: Policy, steps: int):
@@ -27,7 +27,7 @@ def run_cli(args, monkeypatch, capsys, model=None):
     """Run `speedkv ARGS` in this process (with `model` instead of loading one, if given);
     return (exit code, stdout, stderr)."""
     if model is not None:
-        monkeypatch.setattr("speedkv.models.load_model", lambda *a, **k: model)
+        monkeypatch.setattr("speedkv.hf.loading.load_model", lambda *a, **k: model)
     monkeypatch.setattr(sys, "argv", ["speedkv", *args])
     code = 0
     try:

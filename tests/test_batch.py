@@ -1,8 +1,8 @@
 """A batch of prompts of different lengths (and methods) gives what each gives alone."""
 
-from speedkv.engine import Request
-from speedkv.policy import make_policy
-from speedkv.sampling import SamplingParams
+from speedkv.core.engine import Request
+from speedkv.core.registry import make_policy
+from speedkv.core.sampling import SamplingParams
 
 from conftest import random_prompt
 
@@ -44,7 +44,7 @@ def test_seeded_sampling_batch_equals_one_by_one(tiny, tiny_engine):
 def test_requests_join_and_leave_between_steps(tiny, tiny_engine):
     """Continuous batching: a request added mid-way decodes exactly as it would alone, and a
     cancelled one leaves with its cache."""
-    from speedkv.engine import Batch
+    from speedkv.core.engine import Batch
 
     def request(seed, new):
         policy = make_policy("speed:lcut=3,anchors=bos", tiny.shape)

@@ -4,18 +4,11 @@ import json
 
 import pytest
 
-from speedkv.bench import (
-    Bench,
-    BenchConfig,
-    add_bounds,
-    bench_prompt,
-    engine_vs_hf,
-    parse_lengths,
-    parse_methods,
-    rotated,
-)
+from speedkv.bench.report import engine_vs_hf
+from speedkv.bench.roofline import MachineLimits
+from speedkv.bench.runner import Bench, BenchConfig, add_bounds, bench_prompt, rotated
+from speedkv.cli.options import parse_lengths, parse_methods
 from speedkv.errors import UserError
-from speedkv.roofline import MachineLimits
 
 pytestmark = pytest.mark.real_model
 

@@ -1,6 +1,6 @@
 import torch
 
-from speedkv.cache import KVCache, LayerKV
+from speedkv.core.cache import KVCache, LayerKV
 
 
 def test_extend_write_commit_and_byte_counts():

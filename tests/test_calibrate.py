@@ -2,7 +2,7 @@
 
 import pytest
 
-from speedkv.calibrate import calibrate_tsp
+from speedkv.analysis.calibrate import calibrate_tsp
 from speedkv.errors import UserError
 
 from conftest import random_prompt

@@ -9,7 +9,7 @@ import pytest
 import torch
 from test_cli import run_cli
 
-from speedkv.cutoff import (
+from speedkv.analysis.cutoff import (
     expected_savings,
     parse_budget,
     parse_candidates,
@@ -18,8 +18,8 @@ from speedkv.cutoff import (
     smallest_meeting,
     sweep,
 )
-from speedkv.dense import speed_dense_forward
-from speedkv.diagnose import (
+from speedkv.analysis.dense import speed_dense_forward
+from speedkv.analysis.diagnose import (
     CATEGORIES,
     candidate_cutoffs,
     depth_curvature,
@@ -28,8 +28,8 @@ from speedkv.diagnose import (
     token_curvature,
     trace,
 )
+from speedkv.core.registry import make_policy
 from speedkv.errors import UserError
-from speedkv.policy import make_policy
 
 from conftest import random_prompt
 
@@ -99,7 +99,7 @@ def test_candidate_cutoffs_hand_case():
 
 
 def test_diagnose_end_to_end(tiny_engine, tmp_path):
-    from speedkv.diagnose_plots import write_figures
+    from speedkv.analysis.diagnose_plots import write_figures
 
     prompts = [random_prompt(24, seed=s) for s in (1, 2, 3)]
     result = diagnose(tiny_engine, prompts, new_tokens=6, lcut=3, progress=False)

@@ -6,10 +6,10 @@ import itertools
 import pytest
 import torch
 
-from speedkv.dense import speed_dense_forward
-from speedkv.engine import Request
-from speedkv.policy import make_policy
-from speedkv.sampling import SamplingParams
+from speedkv.analysis.dense import speed_dense_forward
+from speedkv.core.engine import Request
+from speedkv.core.registry import make_policy
+from speedkv.core.sampling import SamplingParams
 
 from conftest import random_prompt
 from helpers import greedy_with_logits
@@ -79,7 +79,7 @@ def test_shallow_tokens_are_never_computed_in_upper_layers(tiny, tiny_engine, mo
 
 
 def test_prefill_chunk_size_does_not_change_results(tiny):
-    from speedkv.engine import Engine
+    from speedkv.core.engine import Engine
 
     ids = random_prompt(70)
     policy = make_policy("speed:lcut=3,anchors=bos,deep=3", tiny.shape)

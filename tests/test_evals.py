@@ -9,22 +9,16 @@ import pytest
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
-from speedkv.dense import speed_dense_forward
+from speedkv.analysis.dense import speed_dense_forward
+from speedkv.core.registry import make_policy
 from speedkv.errors import UserError
 from speedkv.evals import fidelity, needles, sanity
 from speedkv.evals.documents import Fact, plant_all
-from speedkv.evals.report import (
-    metric_table,
-    misses_markdown,
-    percent,
-    results_markdown,
-    summarise,
-)
+from speedkv.evals.report import metric_table, misses_markdown, percent, results_markdown, summarise
 from speedkv.evals.runner import EvalConfig, EvalRunner
 from speedkv.evals.tasks import DEFAULT_N, parse_depths, parse_n, parse_tasks
-from speedkv.haystack import essays, sentences, split_names
-from speedkv.models import EMBEDDED, LoadedModel, convert_gguf
-from speedkv.policy import make_policy
+from speedkv.hf.loading import EMBEDDED, LoadedModel, convert_gguf
+from speedkv.prompts.haystack import essays, sentences, split_names
 
 from conftest import random_prompt
 from helpers import run_cli

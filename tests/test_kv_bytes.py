@@ -3,9 +3,9 @@
 import pytest
 import torch
 
-from speedkv.engine import Engine, Request
-from speedkv.policy import make_policy
-from speedkv.sampling import SamplingParams
+from speedkv.core.engine import Engine, Request
+from speedkv.core.registry import make_policy
+from speedkv.core.sampling import SamplingParams
 
 from conftest import random_prompt
 
@@ -53,7 +53,7 @@ def test_selfonly_keeps_only_anchors_in_upper_layers(tiny, tiny_engine):
 
 
 def test_prefill_work_counts_and_flops(tiny, tiny_engine):
-    from speedkv.flops import head_flops, layer_weights, pair_flops
+    from speedkv.core.flops import head_flops, layer_weights, pair_flops
 
     N, L = 33, tiny.shape.num_layers
     full = tiny_engine.prefill(random_prompt(N), make_policy("full", tiny.shape))

@@ -6,9 +6,9 @@ import math
 import pytest
 import torch
 
-from speedkv.engine import Request
-from speedkv.policy import make_policy
-from speedkv.sampling import SamplingParams
+from speedkv.core.engine import Request
+from speedkv.core.registry import make_policy
+from speedkv.core.sampling import SamplingParams
 
 from conftest import random_prompt
 from helpers import greedy_with_logits

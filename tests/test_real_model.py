@@ -3,12 +3,12 @@
 import pytest
 import torch
 
-from speedkv.dense import speed_dense_forward
-from speedkv.engine import Engine, Request
-from speedkv.haystack import haystack_text
-from speedkv.policy import make_policy
-from speedkv.sampling import SamplingParams
-from speedkv.textio import encode_prompt
+from speedkv.analysis.dense import speed_dense_forward
+from speedkv.core.engine import Engine, Request
+from speedkv.core.registry import make_policy
+from speedkv.core.sampling import SamplingParams
+from speedkv.hf.text import encode_prompt
+from speedkv.prompts.haystack import haystack_text
 
 from helpers import greedy_with_logits
 

@@ -1,8 +1,8 @@
 import pytest
 import torch
 
+from speedkv.core.sampling import Sampler, SamplingParams
 from speedkv.errors import UserError
-from speedkv.sampling import Sampler, SamplingParams
 
 
 def draws(params, logits, n=400):

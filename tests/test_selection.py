@@ -6,11 +6,12 @@ import math
 import pytest
 import torch
 
-from speedkv.cache import LayerKV
-from speedkv.compat import ModelShape
+from speedkv.core.cache import LayerKV
+from speedkv.core.policy import PromptInfo
+from speedkv.core.registry import make_policy
 from speedkv.errors import UserError
-from speedkv.policy import PromptInfo, make_policy
-from speedkv.scoring import (
+from speedkv.hf.backbone import ModelShape
+from speedkv.methods.scoring import (
     attention_probs,
     budget,
     group_heads,

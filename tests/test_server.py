@@ -21,11 +21,11 @@ import uvicorn
 from prometheus_client.parser import text_string_to_metric_families
 from transformers import LlamaConfig, LlamaForCausalLM
 
-from speedkv import cli
-from speedkv.engine import Engine, Request
-from speedkv.models import LoadedModel
-from speedkv.policy import make_policy
-from speedkv.sampling import SamplingParams
+from speedkv.cli import app as cli
+from speedkv.core.engine import Engine, Request
+from speedkv.core.registry import make_policy
+from speedkv.core.sampling import SamplingParams
+from speedkv.hf.loading import LoadedModel
 from speedkv.server import ServerConfig, create_app
 from speedkv.server.errors import validation_message
 from speedkv.server.prepare import _nth_seed
@@ -117,7 +117,7 @@ def client(server):
 
 def speedkv_generate(args, smollm2, monkeypatch, capsys) -> dict:
     """`speedkv generate ARGS --json` in this process, on the already loaded model."""
-    monkeypatch.setattr("speedkv.models.load_model", lambda *a, **k: smollm2)
+    monkeypatch.setattr("speedkv.hf.loading.load_model", lambda *a, **k: smollm2)
     monkeypatch.setattr(sys, "argv", ["speedkv", "generate", *args, "--json"])
     try:
         cli.main()
@@ -556,7 +556,7 @@ def test_serve_rejects_bad_options_before_loading_the_model(args, says, monkeypa
     def no_loading(*_, **__):
         raise AssertionError("the model must not load")
 
-    monkeypatch.setattr("speedkv.models.load_model", no_loading)
+    monkeypatch.setattr("speedkv.hf.loading.load_model", no_loading)
     monkeypatch.setattr(sys, "argv", ["speedkv", "serve", *args])
     with pytest.raises(SystemExit) as stop:
         cli.main()

@@ -1,8 +1,9 @@
 import pytest
 
-from speedkv.compat import ModelShape
+from speedkv.core.registry import make_policy, method_names
+from speedkv.core.spec import split_spec
 from speedkv.errors import UserError
-from speedkv.policy import make_policy, method_names, split_spec
+from speedkv.hf.backbone import ModelShape
 
 SHAPE = ModelShape("llama", 30, 576, 9, 3, 64, 1536, 49152, 8192)
 

@@ -10,10 +10,10 @@ import sys
 import pytest
 import torch
 
-from speedkv.engine import Engine
+from speedkv.core.engine import Engine
+from speedkv.core.registry import make_policy
 from speedkv.errors import UserError
-from speedkv.models import LoadedModel
-from speedkv.policy import make_policy
+from speedkv.hf.loading import LoadedModel
 from speedkv.train.forward import (
     SpeedObjective,
     example_loss,
@@ -81,12 +81,12 @@ def test_training_forward_equals_engine_logits(tiny, tiny_engine, spec):
 
 def test_lora_training_forward_equals_engine_on_merged_adapter(tiny, tmp_path):
     """What is trained (LoRA live in the forward) is what runs (adapter merged, engine)."""
-    from speedkv.train.adapters import apply_adapter
+    from speedkv.hf.adapters import apply_adapter
 
     spec = "speed:lcut=3,anchors=bos"
     peft_model = lora_copy(tiny)
     peft_model.save_pretrained(tmp_path)
-    merged = apply_adapter(tiny, tmp_path, spec)
+    merged = apply_adapter(tiny, tmp_path)
     prompt, response = random_prompt(30, seed=5), random_prompt(6, seed=6)
     expected = engine_response_logits(Engine(merged, chunk_size=16), spec, prompt, response)
     objective = SpeedObjective(peft_model, visibility_for(spec, tiny.shape))
@@ -166,7 +166,7 @@ def test_only_full_and_speed_can_be_trained(tiny):
 def smol_tokenizer():
     from transformers import AutoTokenizer
 
-    from speedkv.models import EMBEDDED, convert_gguf
+    from speedkv.hf.loading import EMBEDDED, convert_gguf
 
     parts = EMBEDDED["smollm2-135m"].part_paths()
     if parts is None:
@@ -196,7 +196,7 @@ def test_mix_spec_parsing():
 
 
 def test_builtin_mix_is_seeded_fits_and_uses_training_essays_only(smol_tokenizer):
-    from speedkv.haystack import essays, sentences, split_names
+    from speedkv.prompts.haystack import essays, sentences, split_names
     from speedkv.train.data import DEFAULT_WEIGHTS, build_mix, tokenize_all
     from speedkv.train.tasks import TextSource
 
@@ -217,7 +217,7 @@ def test_builtin_mix_is_seeded_fits_and_uses_training_essays_only(smol_tokenizer
 
 
 def test_chat_and_raw_records_tokenise_as_inference_does(smol_tokenizer):
-    from speedkv.textio import encode_messages
+    from speedkv.hf.text import encode_messages
     from speedkv.train.data import tokenize_record
 
     tok = smol_tokenizer
@@ -257,18 +257,19 @@ def test_user_jsonl_is_validated_line_by_line(tmp_path):
 
 
 # -- adapters ---------------------------------------------------------------------------------
-def test_adapter_method_mismatch_warns_and_shape_mismatch_refuses(tiny, tmp_path, capsys):
-    from speedkv.train.adapters import INFO_NAME, apply_adapter, read_adapter_info
+def test_adapter_method_mismatch_warns_and_shape_mismatch_refuses(tiny, tmp_path):
+    from speedkv.cli.common import method_mismatch
+    from speedkv.hf.adapters import INFO_NAME, apply_adapter, read_adapter_info
 
     lora_copy(tiny).save_pretrained(tmp_path)
     spec = "speed:lcut=3,anchors=bos,deep=1,selfonly=false"
     record = {"method": spec, "model_shape": {"num_layers": tiny.shape.num_layers}}
     (tmp_path / INFO_NAME).write_text(json.dumps(record))
     assert read_adapter_info(tmp_path)["method"] == spec
-    apply_adapter(tiny, tmp_path, "speed:lcut=3")  # the same method, spelt shorter
-    assert "warning" not in capsys.readouterr().err
-    merged = apply_adapter(tiny, tmp_path, "full")
-    assert f"trained for '{spec}' but runs with 'full'" in capsys.readouterr().err
+    info = read_adapter_info(tmp_path)
+    assert method_mismatch(info, "speed:lcut=3", tiny.shape) is None  # the same, spelt shorter
+    assert f"trained for '{spec}' but runs with 'full'" in method_mismatch(info, "full", tiny.shape)
+    merged = apply_adapter(tiny, tmp_path)
     assert merged.hf_model is not tiny.hf_model
     (tmp_path / INFO_NAME).write_text(json.dumps({**record, "model_shape": {"num_layers": 99}}))
     with pytest.raises(UserError, match="num_layers=99"):
@@ -377,7 +378,7 @@ def test_a_run_trains_checkpoints_and_resumes_exactly(tiny_model_dir, tmp_path):
 
 
 def test_cli_rejects_bad_training_options_before_loading(monkeypatch, capsys, tmp_path):
-    from speedkv import cli
+    from speedkv.cli import app as cli
 
     cases = [
         (["--method", "pop:lcut=20"], "supports the methods 'full' and 'speed'"),
@@ -411,7 +412,7 @@ def test_layer_token_share_counts_what_speed_skips(tiny):
 
 @pytest.mark.real_model
 def test_training_forward_matches_engine_on_smollm2(smollm2):
-    from speedkv.haystack import haystack_text
+    from speedkv.prompts.haystack import haystack_text
 
     text = haystack_text(smollm2.tokenizer, 400, split="calib")
     ids = smollm2.tokenizer(text)["input_ids"]
@@ -426,7 +427,7 @@ def test_training_forward_matches_engine_on_smollm2(smollm2):
 
 
 def test_train_compare_rejects_bad_arguments(monkeypatch, capsys, tmp_path):
-    from speedkv import cli
+    from speedkv.cli import app as cli
 
     cases = [
         ([str(tmp_path)], "holds no training run"),

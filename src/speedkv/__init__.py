@@ -1,11 +1,19 @@
 """speedkv: SPEED (Shallow Prefill, dEEp Decode) and peer KV-cache methods for fast
-long-context inference. SPEED itself lives in `speedkv/methods/speed.py`."""
+long-context inference.
 
-from .engine import Engine, Generation, Request
-from .errors import UserError
-from .models import load_model
-from .policy import make_policy, method_names
-from .sampling import SamplingParams
+Where things are: `core/` runs a method (engine, prefill, cache, policy interface), `methods/`
+holds one file per method (SPEED is `methods/speed.py`), `hf/` is the only code that touches
+transformers' internals, and `analysis/`, `bench/`, `evals/`, `train/`, `server/`, `cli/` are
+the tools and faces built on them.
+"""
+
+from speedkv import methods  # noqa: F401  (importing the package registers every method)
+from speedkv.core.engine import Engine, Generation, Request
+from speedkv.core.registry import make_policy, method_names
+from speedkv.core.sampling import SamplingParams
+from speedkv.errors import UserError
+from speedkv.hf.loading import load_model
+from speedkv.version import __version__
 
 __all__ = [
     "Engine",
@@ -13,8 +21,8 @@ __all__ = [
     "Request",
     "SamplingParams",
     "UserError",
+    "__version__",
     "load_model",
     "make_policy",
     "method_names",
 ]
-__version__ = "0.1.0"

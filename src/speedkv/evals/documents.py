@@ -12,9 +12,9 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from ..errors import UserError
-from ..haystack import haystack_text, sentences, split_names
-from ..textio import EncodedPrompt, encode_prompt
+from speedkv.errors import UserError
+from speedkv.hf.text import EncodedPrompt, encode_prompt
+from speedkv.prompts.haystack import haystack_text, sentences, split_names
 
 
 @dataclass(frozen=True)
@@ -40,7 +40,7 @@ def plant_all(haystack: str, facts: list[Fact]) -> str:
 
 def sentence_count(split: str) -> int:
     """How many sentences the split's essays hold: the range of haystack start offsets."""
-    from ..haystack import essays
+    from speedkv.prompts.haystack import essays
 
     return sum(len(sentences(essays()[name])) for name in split_names(split))
 

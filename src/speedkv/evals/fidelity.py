@@ -20,11 +20,11 @@ from dataclasses import dataclass
 
 import torch
 
-from ..engine import Engine
-from ..errors import UserError
-from ..haystack import haystack_text
-from ..policy import Policy
-from .documents import sentence_count
+from speedkv.core.engine import Engine
+from speedkv.core.policy import Policy
+from speedkv.errors import UserError
+from speedkv.evals.documents import sentence_count
+from speedkv.prompts.haystack import haystack_text
 
 DEFAULT_TOKENS = 64
 

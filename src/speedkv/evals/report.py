@@ -8,7 +8,7 @@ import re
 import statistics
 from pathlib import Path
 
-from .tasks import DESCRIPTIONS, SHORT, is_needle
+from speedkv.evals.tasks import DESCRIPTIONS, SHORT, is_needle
 
 
 # -- summary ----------------------------------------------------------------------------------

@@ -20,13 +20,14 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 
-from ..engine import Engine, Request
-from ..errors import UserError
-from ..models import LoadedModel
-from ..policy import Policy, make_policy
-from ..sampling import SamplingParams
-from . import fidelity, needles, sanity
-from .tasks import DEFAULT_DEPTHS, SHORT, TASKS, is_needle, max_new_tokens
+from speedkv.core.engine import Engine, Request
+from speedkv.core.policy import Policy
+from speedkv.core.registry import make_policy
+from speedkv.core.sampling import SamplingParams
+from speedkv.errors import UserError
+from speedkv.evals import fidelity, needles, sanity
+from speedkv.evals.tasks import DEFAULT_DEPTHS, SHORT, TASKS, is_needle, max_new_tokens
+from speedkv.hf.loading import LoadedModel
 
 # Bump when prompts, wording or scoring change: records made under another version are not
 # mixed with new ones on --resume.
@@ -169,7 +170,7 @@ class EvalRunner:
                     records.append(record)
                     bar.update()
         bar.close()
-        from .report import summarise, write_outputs
+        from speedkv.evals.report import summarise, write_outputs
 
         wanted = {(m, u.task, u.length, u.index) for u in self.units() for m in self.methods}
         mine = sorted((r for r in records if record_key(r) in wanted), key=self._record_order)
@@ -293,7 +294,7 @@ class EvalRunner:
         )
 
     def _sanity(self, unit: Unit, methods: list[str], records: list[dict]) -> Iterator[dict]:
-        from ..textio import encode_prompt
+        from speedkv.hf.text import encode_prompt
 
         prompt = sanity.PROMPTS[unit.index]
         encoded = encode_prompt(self.model.tokenizer, prompt)
@@ -384,7 +385,7 @@ def record_key(record: dict) -> tuple[str, str, int, int]:
 
 
 def versions() -> dict:
-    from .. import __version__
-    from ..bench import machine_facts
+    from speedkv.bench.machine import machine_facts
+    from speedkv.version import __version__
 
     return {"speedkv": __version__, **machine_facts()}

@@ -2,10 +2,10 @@
 
 from __future__ import annotations
 
-from ..errors import UserError
-from . import sanity
-from .needles import MAX_NEW_TOKENS as NEEDLE_NEW_TOKENS
-from .needles import NEEDLE_TASKS
+from speedkv.errors import UserError
+from speedkv.evals import sanity
+from speedkv.evals.needles import MAX_NEW_TOKENS as NEEDLE_NEW_TOKENS
+from speedkv.evals.needles import NEEDLE_TASKS
 
 TASKS = (*NEEDLE_TASKS, "fidelity", "sanity")
 DESCRIPTIONS = {

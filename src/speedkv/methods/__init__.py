@@ -1,6 +1,8 @@
-"""One file per method; importing this package registers them all with the policy registry."""
+"""One file per method behind the `Policy` interface (speedkv.core.policy), plus the helpers
+they share (`scoring`, `retention`, `probe`, `common`). Importing this package registers
+every method with the registry; SPEED itself is `speed.py`."""
 
-from . import (  # noqa: F401
+from speedkv.methods import (  # noqa: F401  (each import registers a method)
     fastkv,
     full,
     gemfilter,

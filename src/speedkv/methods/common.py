@@ -5,10 +5,16 @@ from __future__ import annotations
 
 import torch
 
-from ..compat import ModelShape
-from ..errors import UserError
-from ..policy import LayerView, Policy, PromptInfo, Stream
-from ..scoring import budget, group_heads, scaled_layer, top_plus_window, window_scores
+from speedkv.core.policy import LayerView, Policy, PromptInfo, Stream
+from speedkv.errors import UserError
+from speedkv.hf.backbone import ModelShape
+from speedkv.methods.scoring import (
+    budget,
+    group_heads,
+    scaled_layer,
+    top_plus_window,
+    window_scores,
+)
 
 
 def resolve_layer(value: int | None, reference: int, shape: ModelShape, name: str) -> int:

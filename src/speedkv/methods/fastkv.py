@@ -25,15 +25,16 @@ from dataclasses import dataclass
 
 import torch
 
-from ..policy import LayerView, Policy, PromptInfo, Stream, register
-from ..scoring import budget, check_budget, top_plus_window
-from .common import (
+from speedkv.core.policy import LayerView, Policy, PromptInfo, Stream
+from speedkv.core.registry import register
+from speedkv.methods.common import (
     check_window_options,
     keep_per_head,
     layer_window_scores,
     resolve_layer,
     window_budget,
 )
+from speedkv.methods.scoring import budget, check_budget, top_plus_window
 
 
 @register

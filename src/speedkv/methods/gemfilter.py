@@ -18,11 +18,12 @@ from dataclasses import dataclass
 
 import torch
 
-from ..errors import UserError
-from ..policy import Policy, PromptInfo, Selection, register
-from ..probe import record
-from ..scoring import budget, check_budget, pool1d
-from .common import resolve_layer
+from speedkv.core.policy import Policy, PromptInfo, Selection
+from speedkv.core.registry import register
+from speedkv.errors import UserError
+from speedkv.methods.common import resolve_layer
+from speedkv.methods.probe import record
+from speedkv.methods.scoring import budget, check_budget, pool1d
 
 
 @register

@@ -20,8 +20,9 @@ from dataclasses import dataclass
 
 import torch
 
-from ..policy import LayerView, Policy, PromptInfo, register
-from ..scoring import attention_probs, budget, check_budget, group_heads
+from speedkv.core.policy import LayerView, Policy, PromptInfo
+from speedkv.core.registry import register
+from speedkv.methods.scoring import attention_probs, budget, check_budget, group_heads
 
 _ALL = 1 << 30
 

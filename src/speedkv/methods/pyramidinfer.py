@@ -21,9 +21,10 @@ from dataclasses import dataclass
 
 import torch
 
-from ..errors import UserError
-from ..policy import LayerView, Policy, PromptInfo, Stream, register
-from ..scoring import attention_probs, budget, check_budget
+from speedkv.core.policy import LayerView, Policy, PromptInfo, Stream
+from speedkv.core.registry import register
+from speedkv.errors import UserError
+from speedkv.methods.scoring import attention_probs, budget, check_budget
 
 
 @register

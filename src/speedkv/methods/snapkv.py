@@ -17,9 +17,15 @@ from dataclasses import dataclass
 
 import torch
 
-from ..policy import LayerView, Policy, PromptInfo, register
-from ..scoring import check_budget
-from .common import check_window_options, keep_per_head, layer_window_scores, window_budget
+from speedkv.core.policy import LayerView, Policy, PromptInfo
+from speedkv.core.registry import register
+from speedkv.methods.common import (
+    check_window_options,
+    keep_per_head,
+    layer_window_scores,
+    window_budget,
+)
+from speedkv.methods.scoring import check_budget
 
 
 @register

@@ -27,10 +27,11 @@ from dataclasses import dataclass
 
 import torch
 
-from ..errors import UserError
-from ..policy import Policy, PromptInfo, Selection, register
-from ..probe import prompt_attention, record, step_queries
-from ..scoring import check_budget, pool1d
+from speedkv.core.policy import Policy, PromptInfo, Selection
+from speedkv.core.registry import register
+from speedkv.errors import UserError
+from speedkv.methods.probe import prompt_attention, record, step_queries
+from speedkv.methods.scoring import check_budget, pool1d
 
 _SPECULATORS: dict[tuple[str, str], object] = {}  # (name, dtype) -> loaded model, reused
 
@@ -117,8 +118,8 @@ class SpecPrefill(Policy):
         name = self.config.speculator
         if name.startswith("self:"):
             return engine.with_depth(int(name[5:])), True
-        from ..engine import Engine
-        from ..models import load_model
+        from speedkv.core.engine import Engine
+        from speedkv.hf.loading import load_model
 
         key = (name, str(engine.backbone.dtype))
         if key not in _SPECULATORS:

@@ -23,8 +23,9 @@ from dataclasses import dataclass
 
 import torch
 
-from ..errors import UserError
-from ..policy import LayerView, Policy, PromptInfo, Stream, register
+from speedkv.core.policy import LayerView, Policy, PromptInfo, Stream
+from speedkv.core.registry import register
+from speedkv.errors import UserError
 
 
 @register

@@ -14,9 +14,10 @@ from dataclasses import dataclass
 
 import torch
 
-from ..errors import UserError
-from ..policy import LayerView, Policy, PromptInfo, register
-from ..scoring import budget, check_budget
+from speedkv.core.policy import LayerView, Policy, PromptInfo
+from speedkv.core.registry import register
+from speedkv.errors import UserError
+from speedkv.methods.scoring import budget, check_budget
 
 
 @register

@@ -17,9 +17,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from ..errors import UserError
-from ..policy import register
-from .common import LastTokenContinues
+from speedkv.core.registry import register
+from speedkv.errors import UserError
+from speedkv.methods.common import LastTokenContinues
 
 
 @register

@@ -12,7 +12,7 @@ its own layer-asymmetric cache); HTTP handlers only validate, queue and relay to
     config.py     server options               command.py   `speedkv serve`
 """
 
-from .app import create_app
-from .config import ServerConfig
+from speedkv.server.app import create_app
+from speedkv.server.config import ServerConfig
 
 __all__ = ["ServerConfig", "create_app"]

@@ -9,17 +9,16 @@ from fastapi import FastAPI, Request
 from fastapi.concurrency import run_in_threadpool
 from fastapi.responses import Response
 
-from .. import __version__
-from ..engine import Engine
-from ..policy import method_names
-from .config import ServerConfig
-from .errors import APIError, install_error_handlers
-from .guards import LimitBody, RequireAPIKey
-from .metrics import ServerMetrics
-from .prepare import Preparer
-from .relay import respond
-from .scheduler import Scheduler
-from .schemas import (
+from speedkv.core.engine import Engine
+from speedkv.core.registry import method_names
+from speedkv.server.config import ServerConfig
+from speedkv.server.errors import APIError, install_error_handlers
+from speedkv.server.guards import LimitBody, RequireAPIKey
+from speedkv.server.metrics import ServerMetrics
+from speedkv.server.prepare import Preparer
+from speedkv.server.relay import respond
+from speedkv.server.scheduler import Scheduler
+from speedkv.server.schemas import (
     ChatCompletion,
     ChatCompletionRequest,
     Completion,
@@ -29,6 +28,7 @@ from .schemas import (
     ModelCard,
     ModelList,
 )
+from speedkv.version import __version__
 
 _ERRORS = {status: {"model": ErrorResponse} for status in (400, 401, 404, 413, 429, 503)}
 

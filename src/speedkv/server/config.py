@@ -4,9 +4,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from ..compat import ModelShape
-from ..errors import UserError
-from ..policy import make_policy, method_class, split_spec
+from speedkv.core.registry import make_policy, method_class
+from speedkv.core.spec import split_spec
+from speedkv.errors import UserError
+from speedkv.hf.backbone import ModelShape
 
 
 @dataclass

@@ -11,8 +11,8 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from ..errors import UserError
-from .schemas import UNSUPPORTED
+from speedkv.errors import UserError
+from speedkv.server.schemas import UNSUPPORTED
 
 log = logging.getLogger("speedkv.server")
 

@@ -10,7 +10,7 @@ from fastapi import HTTPException
 from starlette.datastructures import Headers
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from .errors import APIError
+from speedkv.server.errors import APIError
 
 PROTECTED_PREFIX = "/v1/"  # /health and /metrics stay open, as in vLLM
 

@@ -6,14 +6,21 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from ..engine import Engine, Request
-from ..errors import UserError
-from ..policy import make_policy, split_spec
-from ..sampling import SamplingParams
-from ..textio import encode_messages
-from .config import ServerConfig
-from .errors import APIError
-from .schemas import SEED_MAX, SEED_MIN, ChatCompletionRequest, CompletionRequest, _Sampling
+from speedkv.core.engine import Engine, Request
+from speedkv.core.registry import make_policy
+from speedkv.core.sampling import SamplingParams
+from speedkv.core.spec import split_spec
+from speedkv.errors import UserError
+from speedkv.hf.text import encode_messages
+from speedkv.server.config import ServerConfig
+from speedkv.server.errors import APIError
+from speedkv.server.schemas import (
+    SEED_MAX,
+    SEED_MIN,
+    ChatCompletionRequest,
+    CompletionRequest,
+    _Sampling,
+)
 
 COMPLETION_DEFAULT_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
 

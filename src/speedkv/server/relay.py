@@ -9,11 +9,11 @@ from collections.abc import AsyncIterator
 from fastapi import Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
-from ..engine import Generation, TokenEvent
-from .errors import APIError, error_body
-from .prepare import Prepared
-from .scheduler import Failure, Job, QueueFull, Scheduler, ShuttingDown
-from .streaming import Formatter, sse
+from speedkv.core.engine import Generation, TokenEvent
+from speedkv.server.errors import APIError, error_body
+from speedkv.server.prepare import Prepared
+from speedkv.server.scheduler import Failure, Job, QueueFull, Scheduler, ShuttingDown
+from speedkv.server.streaming import Formatter, sse
 
 _GONE = (-1, None)  # queued by the watcher when the client disconnects
 

@@ -20,9 +20,9 @@ import time
 from collections import deque
 from dataclasses import dataclass
 
-from ..engine import Batch, Engine, Request, TokenEvent
-from ..errors import UserError
-from .metrics import ServerMetrics
+from speedkv.core.engine import Batch, Engine, Request, TokenEvent
+from speedkv.errors import UserError
+from speedkv.server.metrics import ServerMetrics
 
 log = logging.getLogger("speedkv.server")
 

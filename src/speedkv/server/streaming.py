@@ -6,7 +6,7 @@ import json
 import time
 import uuid
 
-from ..engine import Generation
+from speedkv.core.engine import Generation
 
 
 def sse(data: dict | str) -> str:

@@ -6,8 +6,8 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from ..errors import UserError
-from .adapters import INFO_NAME
+from speedkv.errors import UserError
+from speedkv.hf.adapters import INFO_NAME
 
 X_AXES = {"minutes": ("wall_min", "training wall minutes"), "step": ("step", "optimizer step")}
 

@@ -18,9 +18,9 @@ from pathlib import Path
 
 import torch
 
-from ..errors import UserError
-from ..policy import split_spec
-from .tasks import TASKS, TextSource
+from speedkv.core.spec import split_spec
+from speedkv.errors import UserError
+from speedkv.train.tasks import TASKS, TextSource
 
 DEFAULT_WEIGHTS: dict[str, float] = {
     "needle": 0.25,
@@ -220,7 +220,7 @@ def tokenize_record(tokenizer, record: dict) -> Example:
     short). Raw records: the prompt as `encode_prompt(chat=False)` tokenises it, then the
     response's tokens.
     """
-    from ..textio import encode_messages
+    from speedkv.hf.text import encode_messages
 
     kind = record.get("kind", "chat")
     if "messages" not in record or not getattr(tokenizer, "chat_template", None):
@@ -273,10 +273,10 @@ def base_model_responder(loaded, max_new_tokens: int = INSTRUCT_MAX_NEW_TOKENS) 
     """Answers from the untrained model at full depth, greedy, generated in batches."""
     from tqdm import tqdm
 
-    from ..engine import Engine, Request
-    from ..policy import make_policy
-    from ..sampling import SamplingParams
-    from ..textio import encode_messages
+    from speedkv.core.engine import Engine, Request
+    from speedkv.core.registry import make_policy
+    from speedkv.core.sampling import SamplingParams
+    from speedkv.hf.text import encode_messages
 
     engine = Engine(_inference_copy(loaded))
     sampling = SamplingParams(max_new_tokens=max_new_tokens)
@@ -303,7 +303,7 @@ def _inference_copy(loaded):
     """The model in bfloat16 where that is fast (the training copy stays float32)."""
     import copy
 
-    from ..models import LoadedModel, resolve_dtype
+    from speedkv.hf.loading import LoadedModel, resolve_dtype
 
     dtype = resolve_dtype("auto", loaded.backbone.device)
     if dtype == loaded.dtype:

@@ -19,10 +19,11 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from ..compat import Backbone, ModelShape
-from ..dense import full_depth_positions
-from ..errors import UserError
-from ..policy import make_policy, split_spec
+from speedkv.analysis.dense import full_depth_positions
+from speedkv.core.registry import make_policy
+from speedkv.core.spec import split_spec
+from speedkv.errors import UserError
+from speedkv.hf.backbone import Backbone, ModelShape
 
 
 @dataclass(frozen=True)

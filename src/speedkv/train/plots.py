@@ -82,7 +82,7 @@ def plot_probe_comparison(runs: list[dict], path: Path, x_axis: str = "minutes")
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    from .compare import X_AXES, run_label
+    from speedkv.train.compare import X_AXES, run_label
 
     key, x_label = X_AXES[x_axis]
     fig, (ppl_axis, acc_axis) = plt.subplots(1, 2, figsize=(11, 4))

@@ -10,11 +10,11 @@ import random
 
 import torch
 
-from ..haystack import plant
-from ..models import LoadedModel
-from .data import tokenize_record
-from .forward import Visibility, response_logits
-from .tasks import PASSKEY_FACTS, TextSource, continuation
+from speedkv.hf.loading import LoadedModel
+from speedkv.prompts.haystack import plant
+from speedkv.train.data import tokenize_record
+from speedkv.train.forward import Visibility, response_logits
+from speedkv.train.tasks import PASSKEY_FACTS, TextSource, continuation
 
 PROBE_QUESTION = "What is the pass key?"
 
@@ -49,7 +49,7 @@ class Probe:
         the dtype the engine would choose."""
         import copy
 
-        from ..models import resolve_dtype
+        from speedkv.hf.loading import resolve_dtype
 
         merged = copy.deepcopy(peft_model).merge_and_unload().eval()
         merged.to(resolve_dtype("auto", next(merged.parameters()).device))
@@ -57,9 +57,9 @@ class Probe:
 
     @torch.no_grad()
     def run(self, objective) -> dict:
-        from ..engine import Engine, Request
-        from ..policy import make_policy
-        from ..sampling import SamplingParams
+        from speedkv.core.engine import Engine, Request
+        from speedkv.core.registry import make_policy
+        from speedkv.core.sampling import SamplingParams
 
         model = self.merged_copy(objective.peft)
         engine = Engine(model)

@@ -15,9 +15,9 @@ import time
 import torch
 from tqdm import tqdm
 
-from .data import Example
-from .forward import SpeedObjective, visibility_for
-from .tasks import TextSource
+from speedkv.train.data import Example
+from speedkv.train.forward import SpeedObjective, visibility_for
+from speedkv.train.tasks import TextSource
 
 
 def fixed_batch(
@@ -118,7 +118,7 @@ def measure_step_speed(
 
 
 def _shape(peft_model):
-    from ..compat import shape_of
+    from speedkv.hf.backbone import shape_of
 
     return shape_of(peft_model.base_model.model.config)
 

@@ -25,7 +25,7 @@ import random
 import uuid
 from collections.abc import Callable
 
-from ..haystack import plant, sentences, split_names
+from speedkv.prompts.haystack import plant, sentences, split_names
 
 
 def _items(text: str) -> tuple[str, ...]:
@@ -278,7 +278,7 @@ class TextSource:
 
 
 def _essay_sentences(name: str) -> list[str]:
-    from ..haystack import essays
+    from speedkv.prompts.haystack import essays
 
     return sentences(essays()[name])
 

@@ -29,10 +29,10 @@ from pathlib import Path
 
 import torch
 
-from ..cli_common import log as _log
-from ..errors import UserError
-from .adapters import INFO_NAME, adapter_info_record, require_peft
-from .data import (
+from speedkv.errors import UserError
+from speedkv.hf.adapters import INFO_NAME, require_peft
+from speedkv.log import log as _log
+from speedkv.train.data import (
     MIN_SEQ_LEN,
     Example,
     base_model_responder,
@@ -44,6 +44,7 @@ from .data import (
     save_jsonl,
     tokenize_all,
 )
+from speedkv.train.record import adapter_info_record
 
 # options a resumed run may change: they decide what is logged and saved, not what is learnt
 RESUMABLE_CHANGES = {"out", "save_every", "log_every", "probe_every", "save_dtype"}
@@ -306,10 +307,10 @@ def run_training(config: TrainConfig, resume: bool = False, command: str = "") -
     from transformers.trainer_callback import PrinterCallback, ProgressCallback
     from transformers.trainer_utils import get_last_checkpoint
 
-    from ..models import load_model
-    from .callbacks import progress_callback
-    from .forward import SpeedObjective, visibility_for
-    from .plots import plot_history
+    from speedkv.hf.loading import load_model
+    from speedkv.train.callbacks import progress_callback
+    from speedkv.train.forward import SpeedObjective, visibility_for
+    from speedkv.train.plots import plot_history
 
     config.validate()
     warnings.filterwarnings("ignore", message=".*is_gradient_checkpointing.*")  # HF-internal
@@ -355,8 +356,8 @@ def run_training(config: TrainConfig, resume: bool = False, command: str = "") -
     trainer.remove_callback(ProgressCallback)
     trainer.add_callback(progress_callback())
     if config.probe_every:
-        from .callbacks import probe_callback
-        from .probe import Probe
+        from speedkv.train.callbacks import probe_callback
+        from speedkv.train.probe import Probe
 
         probe = Probe(loaded.tokenizer, vis, config.seq_len, config.probe_every, config.seed)
         trainer.add_callback(probe_callback(trainer, probe))

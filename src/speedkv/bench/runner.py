@@ -1,0 +1,300 @@
+"""`speedkv bench`: TTFT, TPOT, KV memory, peak RSS and FLOPs of methods across prompt lengths.
+
+Every cell (method x length) is measured `repeats` times after one warm-up; within each repeat
+all methods run back to back on the same prompt (each repeat in a rotated order), so machine
+noise hits them alike, and every ratio is taken against `full` from the same repeat. Raw runs
+go to `runs.jsonl` as they finish, so an interrupted sweep resumes where it stopped
+(`--resume`).
+
+The run also measures this machine's read bandwidth and matmul rate (`roofline`) and reports
+each cell against its limit: TPOT against the bytes a step must read (weights + visible K/V),
+TTFT against the prefill FLOPs at the matmul rate.
+"""
+
+from __future__ import annotations
+
+import json
+import statistics
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import torch
+from tqdm import tqdm
+
+from speedkv.bench.machine import machine_facts
+from speedkv.bench.memory import peak_rss_bytes, reset_peak_rss
+from speedkv.bench.report import HF, write_outputs
+from speedkv.bench.roofline import MachineLimits, measure_limits
+from speedkv.core.engine import Engine, Request
+from speedkv.core.registry import make_policy
+from speedkv.core.sampling import SamplingParams
+from speedkv.errors import UserError
+from speedkv.hf.loading import LoadedModel
+from speedkv.log import log
+from speedkv.prompts.haystack import haystack_text
+
+METRICS = (
+    "ttft_s",
+    "tpot_s",
+    "kv_bytes",
+    "kv_bytes_final",
+    "peak_rss_bytes",
+    "flops_prefill",
+    "flops_decode",
+)
+RATIOS = {
+    "ttft_s": "ttft_ratio",
+    "tpot_s": "tpot_ratio",
+    "kv_bytes": "kv_ratio",
+    "kv_bytes_final": "kv_final_ratio",
+    "peak_rss_bytes": "rss_ratio",
+    "flops_prefill": "flops_prefill_ratio",
+    "flops_decode": "flops_decode_ratio",
+}
+
+
+@dataclass
+class BenchConfig:
+    model: str
+    methods: list[str]
+    lengths: list[int]
+    new_tokens: int = 128
+    repeats: int = 5
+    dtype: str = "auto"
+    warmup_tokens: int = 4
+    command: str = ""  # the command line that produced the results, for the report
+
+
+def rotated(methods: list[str], repeat: int) -> list[str]:
+    """The methods in the order repeat `repeat` runs them: each repeat starts one further on,
+    so whatever the first run after a length switch pays is not always paid by the same one."""
+    shift = repeat % len(methods)
+    return methods[shift:] + methods[:shift]
+
+
+def bench_prompt(tokenizer, length: int) -> list[int]:
+    """Exactly `length` ids: the chat template around essay text, so position 0 is the
+    template's first token (the BoS anchor) and the prompt ends with the generation header."""
+    marker = "\u0000"
+    templated = tokenizer.apply_chat_template(
+        [{"role": "user", "content": marker}], tokenize=False, add_generation_prompt=True
+    )
+    before, _, after = templated.partition(marker)
+    head = tokenizer(before, add_special_tokens=False)["input_ids"]
+    tail = tokenizer(after, add_special_tokens=False)["input_ids"]
+    body_len = length - len(head) - len(tail)
+    if body_len < 1:
+        raise UserError(
+            f"length {length} is too short for the chat template ({len(head) + len(tail)} tokens)"
+        )
+    body = tokenizer(haystack_text(tokenizer, body_len + 64), add_special_tokens=False)["input_ids"]
+    return head + body[:body_len] + tail
+
+
+class Bench:
+    def __init__(self, model: LoadedModel, config: BenchConfig, out: Path):
+        self.model, self.config, self.out = model, config, out
+        self.engine = Engine(model)
+        self._limits: MachineLimits | None = None
+        methods = list(dict.fromkeys(config.methods))
+        if "full" not in methods:
+            methods.insert(0, "full")  # every ratio is taken against full
+        self.policies = {m: make_policy(m, model.shape) for m in methods if m != HF}
+        self.methods = [HF if m == HF else self.policies[m].spec() for m in methods]
+        self.policies = {p.spec(): p for p in self.policies.values()}
+        too_long = [n for n in config.lengths if n > model.shape.max_positions]
+        if too_long:
+            raise UserError(
+                f"length {too_long[0]} is longer than the model's context of "
+                f"{model.shape.max_positions} tokens"
+            )
+        if config.repeats < 1:
+            raise UserError(f"repeats must be at least 1, got {config.repeats}")
+        if config.new_tokens < 2:
+            raise UserError(
+                f"new-tokens must be at least 2 (TPOT needs two), got {config.new_tokens}"
+            )
+
+    # -- one measurement -------------------------------------------------------------------
+    def measure(self, method: str, ids: list[int], new_tokens: int) -> dict:
+        reset_peak_rss()
+        if method == HF:
+            r = self.model.backbone.hf_generate_timed(
+                torch.tensor([ids], device=self.engine.device), new_tokens
+            )
+            per = self.model.shape.kv_bytes_per_token_layer(self.model.dtype)
+            row = {
+                "ttft_s": r["ttft_s"],
+                "tpot_s": r["tpot_s"],
+                "kv_bytes": len(ids) * self.model.shape.num_layers * per,
+                "kv_bytes_final": r["kv_bytes_final"],
+                "flops_prefill": None,
+                "flops_decode": None,
+                "output_ids": r["output_ids"],
+            }
+        else:
+            sampling = SamplingParams(max_new_tokens=new_tokens, ignore_eos=True)
+            g = self.engine.generate([Request(ids, self.policies[method], sampling)])[0]
+            row = {
+                k: getattr(g, k)
+                for k in (
+                    "ttft_s",
+                    "tpot_s",
+                    "kv_bytes",
+                    "kv_bytes_final",
+                    "flops_prefill",
+                    "flops_decode",
+                    "output_ids",
+                )
+            }
+        row["peak_rss_bytes"] = peak_rss_bytes()
+        return row
+
+    # -- the sweep ----------------------------------------------------------------------------
+    def run(self, resume: bool, progress: bool = True) -> dict:
+        cfg = self.config
+        self.out.mkdir(parents=True, exist_ok=True)
+        runs_path = self.out / "runs.jsonl"
+        header = {
+            "model": cfg.model,
+            "dtype": str(self.model.dtype).replace("torch.", ""),
+            "new_tokens": cfg.new_tokens,
+        }
+        runs = self._load_runs(runs_path, header) if resume else []
+        if progress:
+            # stderr, like every progress line: stdout carries the table or --json
+            log(f"machine limits: {self.limits().describe()}", source="bench")
+        if not resume:
+            runs_path.write_text(json.dumps({"header": header}) + "\n")
+        done = {(r["repeat"], r["length"], r["method"]) for r in runs}
+        prompts = {n: bench_prompt(self.model.tokenizer, n) for n in cfg.lengths}
+        todo = [
+            (rep, n, m)
+            for rep in range(cfg.repeats)
+            for n in cfg.lengths
+            for m in rotated(self.methods, rep)
+            if (rep, n, m) not in done
+        ]
+        warm = sorted({(n, m) for _, n, m in todo})
+        bar = tqdm(
+            total=len(warm) + len(todo),
+            disable=not progress,
+            unit="run",
+            desc="bench",
+            dynamic_ncols=True,
+        )
+        for n, m in warm:
+            bar.set_postfix_str(f"warm-up {m} @ {n}")
+            self.measure(m, prompts[n], cfg.warmup_tokens)
+            bar.update()
+        with runs_path.open("a") as sink:
+            for rep, n, m in todo:
+                bar.set_postfix_str(f"repeat {rep + 1}/{cfg.repeats} {m} @ {n}")
+                row = {
+                    "repeat": rep,
+                    "length": n,
+                    "method": m,
+                    **self.measure(m, prompts[n], cfg.new_tokens),
+                }
+                sink.write(json.dumps(row) + "\n")
+                sink.flush()
+                runs.append(row)
+                bar.update()
+        bar.close()
+        return self.summarise(runs)
+
+    def limits(self) -> MachineLimits:
+        """Measured once per run, after the model is loaded, before the sweep."""
+        if self._limits is None:
+            self._limits = measure_limits(self.engine.device, self.model.dtype)
+        return self._limits
+
+    def _load_runs(self, path: Path, header: dict) -> list[dict]:
+        if not path.exists():
+            path.write_text(json.dumps({"header": header}) + "\n")
+            return []
+        lines = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+        if not lines or lines[0].get("header") != header:
+            found = lines[0].get("header") if lines else "none"
+            raise UserError(
+                f"{path} was measured with other settings ({found}); "
+                "use another --out or the same model, dtype and new-tokens"
+            )
+        return [
+            r
+            for r in lines[1:]
+            if r["method"] in self.methods and r["length"] in self.config.lengths
+        ]
+
+    # -- results ----------------------------------------------------------------------------
+    def summarise(self, runs: list[dict]) -> dict:
+        by_key: dict[tuple[int, int, str], dict] = {
+            (r["repeat"], r["length"], r["method"]): r for r in runs
+        }
+        cells = []
+        for n in self.config.lengths:
+            for m in self.methods:
+                mine = [
+                    r
+                    for (rep, length, meth), r in sorted(by_key.items())
+                    if length == n and meth == m
+                ]
+                if not mine:
+                    continue
+                cell = {"method": m, "length": n, "repeats": len(mine)}
+                for metric in METRICS:
+                    values = [r[metric] for r in mine if r[metric] is not None]
+                    cell[metric] = statistics.median(values) if values else None
+                    cell[metric + "_min"] = min(values) if values else None
+                    cell[metric + "_max"] = max(values) if values else None
+                    ratios = [
+                        r[metric] / by_key[(r["repeat"], n, "full")][metric]
+                        for r in mine
+                        if r[metric] is not None
+                        and (r["repeat"], n, "full") in by_key
+                        and by_key[(r["repeat"], n, "full")][metric]
+                    ]
+                    cell[RATIOS[metric]] = statistics.median(ratios) if ratios else None
+                cell["same_tokens_as_full"] = all(
+                    r["output_ids"] == by_key[(r["repeat"], n, "full")]["output_ids"]
+                    for r in mine
+                    if (r["repeat"], n, "full") in by_key
+                )
+                cells.append(cell)
+        limits = self.limits()
+        weight_bytes = self.model.backbone.decode_weight_bytes()
+        add_bounds(cells, limits, weight_bytes)
+        result = {
+            "config": asdict(self.config),
+            "methods": self.methods,
+            "dtype": str(self.model.dtype).replace("torch.", ""),
+            "machine": machine_facts(),
+            "limits": {
+                "bandwidth_gb_s": limits.bandwidth_bytes_s / 1e9,
+                "matmul_tflop_s": limits.matmul_flops_s / 1e12,
+                "dtype": limits.dtype,
+                "decode_weight_bytes": weight_bytes,
+            },
+            "date": time.strftime("%Y-%m-%d %H:%M:%S"),
+            "cells": cells,
+        }
+        write_outputs(result, self.out)
+        return result
+
+
+def add_bounds(cells: list[dict], limits: MachineLimits, weight_bytes: int) -> None:
+    """Each cell's hardware limits and how many times them it took. A decode step reads the
+    weights and, on average, the mean of the K/V held at the first and the last token; `hf`
+    does the same work as `full`, so it gets full's prefill FLOPs."""
+    full_flops = {c["length"]: c["flops_prefill"] for c in cells if c["method"] == "full"}
+    for c in cells:
+        kv_read = (c["kv_bytes"] + c["kv_bytes_final"]) / 2
+        c["tpot_bound_s"] = limits.decode_bound_s(weight_bytes, kv_read)
+        flops = c["flops_prefill"]
+        if flops is None:
+            flops = full_flops.get(c["length"])
+        c["ttft_bound_s"] = limits.prefill_bound_s(flops) if flops else None
+        for metric in ("tpot", "ttft"):
+            bound, took = c[f"{metric}_bound_s"], c[f"{metric}_s"]
+            c[f"{metric}_x_bound"] = took / bound if bound and took is not None else None

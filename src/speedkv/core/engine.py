@@ -1,0 +1,353 @@
+"""The engine: prefill (see prefill.py) and batched decode steps under a method's policy,
+sampling, streaming and continuous batching.
+
+Decode steps batch every running sequence through the projections and MLPs together; each
+sequence attends over its own layer-asymmetric cache, so sequences of different lengths and
+different methods share a step. `Batch` lets requests join after their prefill and leave
+between steps; `Engine.run` and `Engine.generate` are built on it.
+"""
+
+from __future__ import annotations
+
+import copy
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+
+import torch
+
+from speedkv.core.attention import decode_attention
+from speedkv.core.cache import KVCache
+from speedkv.core.flops import decode_flops, prefill_flops
+from speedkv.core.policy import Policy, PromptInfo
+from speedkv.core.prefill import Prefill, PrefillRun
+from speedkv.core.registry import make_policy
+from speedkv.core.sampling import Sampler, SamplingParams
+from speedkv.errors import UserError
+from speedkv.hf.loading import LoadedModel
+from speedkv.hf.text import Detokenizer, encode_prompt, find_stop
+
+
+@dataclass
+class Request:
+    """One sequence to generate: prompt ids, the method bound to the model, sampling."""
+
+    ids: list[int]
+    policy: Policy
+    sampling: SamplingParams = field(default_factory=SamplingParams)
+    header_tokens: int | None = None  # chat generation-header length, for `deep=header`
+
+
+@dataclass
+class Generation:
+    """What one request produced, with its timings and KV accounting."""
+
+    method: str
+    prompt_ids: list[int]
+    output_ids: list[int]
+    text: str
+    finish_reason: str  # "stop" (EOS or stop string) or "length"
+    ttft_s: float  # from the start of the call to the first new token
+    tpot_s: float  # mean time per new token after the first (0 if only one)
+    kv_bytes: int  # KV held when the first new token is produced
+    kv_bytes_final: int  # KV held when generation ends
+    kv_allocated_bytes: int  # buffers that existed, including room reserved for decode
+    layer_lengths: list[int]  # cache entries per layer when the first token is produced
+    flops_prefill: int  # analytic: layer-token matmuls plus attention over what was computed
+    flops_decode: int  # the same for every decode step, summed
+
+
+@dataclass
+class TokenEvent:
+    """One new token of the request with key `key`; `text` is the printable delta (may be
+    empty)."""
+
+    key: object
+    token_id: int
+    text: str
+    finished: Generation | None = None  # set on the request's last event
+
+
+class _Sequence:
+    """A running request: its cache, sampler and bookkeeping."""
+
+    def __init__(self, key: object, request: Request, policy: Policy, tokenizer, t0: float, shape):
+        self.key = key
+        self.shape = shape
+        self.request = request
+        self.policy = policy
+        self.sampler = Sampler(request.sampling)
+        self.detok = Detokenizer(tokenizer) if tokenizer is not None else None
+        self.t0 = t0
+        self.cache: KVCache | None = None
+        self.output: list[int] = []
+        self.text = ""
+        self.finish_reason: str | None = None
+        self.t_first = self.t_last = 0.0
+        self.kv_first = 0
+        self.lengths_first: list[int] = []
+        self.flops_prefill = 0
+        self.first_position = len(request.ids)
+
+    @property
+    def next_pos(self) -> int:
+        """Absolute position of the last sampled token, the next one to feed."""
+        return self.first_position + len(self.output) - 1
+
+    def result(self) -> Generation:
+        steps = len(self.output) - 1
+        return Generation(
+            method=self.policy.spec(),
+            prompt_ids=list(self.request.ids),
+            output_ids=list(self.output),
+            text=self.text,
+            finish_reason=self.finish_reason or "length",
+            ttft_s=self.t_first,
+            tpot_s=(self.t_last - self.t_first) / steps if steps > 0 else 0.0,
+            kv_bytes=self.kv_first,
+            kv_bytes_final=self.cache.nbytes(),
+            kv_allocated_bytes=self.cache.allocated_bytes(),
+            layer_lengths=self.lengths_first,
+            flops_prefill=self.flops_prefill,
+            flops_decode=decode_flops(self.shape, self.cache.decode_reads(), steps),
+        )
+
+
+class Engine:
+    """Runs prefill and decode for a loaded model under any registered method."""
+
+    def __init__(self, model: LoadedModel, chunk_size: int = 1024, depth: int | None = None):
+        self.model = model
+        self.backbone = model.backbone
+        self.shape = model.shape
+        # depth < L runs only the first layers, then the final norm and head (an early-exit
+        # speculator made of the model itself)
+        self.depth = depth or model.shape.num_layers
+        self.tokenizer = model.tokenizer
+        self.chunk_size = chunk_size
+        self.eos_ids = model.eos_token_ids()
+
+    @property
+    def device(self) -> torch.device:
+        return self.backbone.device
+
+    def with_depth(self, depth: int) -> Engine:
+        """The same model cut after its first `depth` layers (final norm and head on top):
+        an early-exit probe or speculator that shares every weight."""
+        return Engine(self.model, self.chunk_size, depth)
+
+    # -- the two phases ----------------------------------------------------------------------
+    @torch.inference_mode()
+    def prefill(
+        self,
+        ids: list[int] | torch.Tensor,
+        policy: Policy,
+        spare: int = 0,
+        header_tokens: int | None = None,
+    ) -> Prefill:
+        """Run the prompt under `policy`: its cache, the last computed position's logits, and
+        the work done. `spare` reserves room in every layer for that many decode tokens."""
+        ids = torch.as_tensor(ids, dtype=torch.long, device=self.device).flatten()
+        prompt = PromptInfo(ids, header_tokens)
+        next_position = prompt.n
+        selection = policy.select_prompt(prompt, self)
+        if selection is not None:
+            prompt = PromptInfo(
+                ids[selection.indices.to(self.device)],
+                header_tokens,
+                selection.positions.to(self.device),
+                prompt.n,
+            )
+            next_position = selection.next_position
+        policy.begin(prompt)
+        run = PrefillRun(self.backbone, policy, self.depth, self.chunk_size, spare)
+        return run.run(prompt, next_position)
+
+    @torch.inference_mode()
+    def decode_step(
+        self, caches: list[KVCache], policies: list[Policy], tokens: list[int], positions: list[int]
+    ) -> torch.Tensor:
+        """Feed one token per sequence through every layer; return logits [B, vocab].
+
+        Projections and MLPs run batched; each sequence attends over its own cache, so
+        sequences of different lengths and methods share a step.
+        """
+        bb = self.backbone
+        h = bb.embed(torch.tensor(tokens, device=self.device))[:, None, :]  # [B, 1, H]
+        cos, sin = bb.rope(torch.tensor(positions, device=self.device))
+        cos, sin = cos[:, None, None, :], sin[:, None, None, :]
+        plans = [decode_plan(p, self.depth) for p in policies]
+        sources = {ki[0] for plan in plans for _, ki, _ in plan if ki is not None}
+        saved: dict[int, torch.Tensor] = {}
+        for layer in range(self.depth):
+            if layer in sources:
+                saved[layer] = h
+            q, k, v = bb.qkv(layer, bb.input_norm(layer, h), cos, sin)  # [B, heads, 1, D]
+            outs = []
+            for b, plan in enumerate(plans):
+                owner, kv_input, keep = plan[layer]
+                kv = caches[b].layers[layer]
+                live = kv.length
+                if owner == layer:
+                    kb, vb = k[b], v[b]
+                    if kv_input is not None:  # K/V from an earlier layer's residual (SwiftKV)
+                        x = bb.input_norm(kv_input[1], saved[kv_input[0]][b])
+                        kb, vb = bb.kv(layer, x, cos[b], sin[b])
+                    kv.write_next(kb, vb, positions[b])
+                    live += 1
+                kv.reads += live
+                outs.append(decode_attention(q[b], kv.k[:, :live], kv.v[:, :live]))
+                if owner == layer and keep:
+                    kv.commit()
+                policies[b].after_decode(layer, q[b], kv)
+            h = bb.mlp_block(layer, h + bb.attn_out(layer, torch.stack(outs)))
+        return bb.logits(bb.final_norm(h[:, -1]))
+
+    # -- generation --------------------------------------------------------------------------
+    def run(self, requests: list[Request]) -> Iterator[TokenEvent]:
+        """Generate for every request, yielding each new token as it is produced.
+
+        Prompts are prefilled one after another; their decode steps then run as one batch.
+        """
+        start = time.perf_counter()  # every TTFT counts from the call
+        for request in requests:
+            self.check_request(request)
+        batch = Batch(self)
+        for index, request in enumerate(requests):
+            yield from batch.add(index, request, since=start)
+        while batch:
+            yield from batch.step()
+
+    def generate(self, requests: list[Request]) -> list[Generation]:
+        results: list[Generation | None] = [None] * len(requests)
+        for event in self.run(requests):
+            if event.finished is not None:
+                results[event.key] = event.finished
+        return results  # type: ignore[return-value]
+
+    def check_request(self, request: Request) -> None:
+        request.sampling.validate()
+        n = len(request.ids)
+        if n == 0:
+            raise UserError("the prompt is empty")
+        if n > self.shape.max_positions:
+            raise UserError(
+                f"the prompt has {n} tokens, more than the model's context of "
+                f"{self.shape.max_positions}"
+            )
+
+    # -- text conveniences -----------------------------------------------------------------
+    def request(
+        self,
+        prompt: str,
+        method: str | Policy = "full",
+        chat: bool = True,
+        sampling: SamplingParams | None = None,
+    ) -> Request:
+        """A request from prompt text, through the chat template unless chat=False."""
+        if self.tokenizer is None:
+            raise UserError("this model has no tokenizer; pass token ids instead of text")
+        encoded = encode_prompt(self.tokenizer, prompt, chat=chat)
+        policy = method if isinstance(method, Policy) else make_policy(method, self.shape)
+        return Request(encoded.ids, policy, sampling or SamplingParams(), encoded.header_tokens)
+
+    def generate_text(
+        self, prompt: str, method: str | Policy = "full", chat: bool = True, **sampling
+    ) -> Generation:
+        req = self.request(prompt, method, chat, SamplingParams(**sampling))
+        return self.generate([req])[0]
+
+
+class Batch:
+    """Sequences decoding together. Requests join after their prefill and leave when they
+    finish or are cancelled, between steps (continuous batching); each keeps its own cache,
+    which is freed when it leaves."""
+
+    def __init__(self, engine: Engine):
+        self.engine = engine
+        self.running: dict[object, _Sequence] = {}
+
+    def __len__(self) -> int:
+        return len(self.running)
+
+    def add(self, key: object, request: Request, since: float | None = None) -> list[TokenEvent]:
+        """Prefill a request and sample its first token; it decodes from the next step on.
+
+        TTFT counts from `since` (a time.perf_counter() value, e.g. the request's arrival),
+        or from now."""
+        engine = self.engine
+        t0 = time.perf_counter() if since is None else since
+        seq = _Sequence(key, request, copy.copy(request.policy), engine.tokenizer, t0, engine.shape)
+        done = engine.prefill(
+            request.ids, seq.policy, request.sampling.max_new_tokens - 1, request.header_tokens
+        )
+        seq.cache, seq.first_position = done.cache, done.next_position
+        seq.flops_prefill = prefill_flops(engine.shape, done.rows, done.pairs)
+        seq.kv_first = seq.cache.nbytes()
+        seq.lengths_first = seq.cache.lengths()
+        event = self._accept(seq, seq.sampler(done.logits), first=True)
+        if seq.finish_reason is None:
+            self.running[key] = seq
+        return [event]
+
+    def step(self) -> list[TokenEvent]:
+        """One decode step for every running sequence."""
+        seqs = list(self.running.values())
+        if not seqs:
+            return []
+        logits = self.engine.decode_step(
+            [s.cache for s in seqs],
+            [s.policy for s in seqs],
+            [s.output[-1] for s in seqs],
+            [s.next_pos for s in seqs],
+        )
+        events = [
+            self._accept(seq, seq.sampler(row), first=False) for seq, row in zip(seqs, logits)
+        ]
+        for seq in seqs:
+            if seq.finish_reason is not None:
+                del self.running[seq.key]
+        return events
+
+    def cancel(self, key: object) -> None:
+        """Drop a sequence (its cache goes with it)."""
+        self.running.pop(key, None)
+
+    def kv_bytes(self) -> int:
+        return sum(seq.cache.nbytes() for seq in self.running.values())
+
+    def _accept(self, seq: _Sequence, token: int, first: bool) -> TokenEvent:
+        now = time.perf_counter() - seq.t0
+        if first:
+            seq.t_first = now
+        seq.t_last = now
+        seq.output.append(token)
+        params = seq.request.sampling
+        eos = token in self.engine.eos_ids
+        delta = ""
+        if seq.detok is not None and not eos:
+            delta = seq.detok.push(token)
+            before = len(seq.text)
+            seq.text += delta
+            at = find_stop(seq.text, params.stop, before) if params.stop else None
+            if at is not None:
+                delta = seq.text[before:at] if at > before else ""
+                seq.text = seq.text[:at]
+                seq.finish_reason = "stop"
+        if eos and not params.ignore_eos:
+            seq.finish_reason = "stop"
+        elif seq.finish_reason is None and len(seq.output) >= params.max_new_tokens:
+            seq.finish_reason = "length"
+        return TokenEvent(seq.key, token, delta, seq.result() if seq.finish_reason else None)
+
+
+def decode_plan(policy: Policy, depth: int) -> list[tuple[int, tuple[int, int] | None, bool]]:
+    """Per layer: (cache owner, K/V input, keeps decode K/V); fixed for a policy, so cached."""
+    plan = getattr(policy, "_decode_plan", None)
+    if plan is None or len(plan) != depth:
+        plan = [
+            (policy.kv_owner(layer), policy.kv_input(layer), policy.keeps_decode_kv(layer))
+            for layer in range(depth)
+        ]
+        policy._decode_plan = plan
+    return plan

@@ -1,0 +1,161 @@
+"""The method interface.
+
+A method is a `Policy`: for one sequence it decides, layer by layer, which prompt tokens are
+computed, which keys each query may see, and which K/V entries the cache keeps; the engine
+carries out those decisions. Every hook has a full-attention default, so a method overrides
+only what it changes. Methods register under a name and carry a dataclass `Config` whose
+fields are the spec options:
+
+    speed:lcut=22,anchors=bos        fastkv:tsp_layer=15,tsp_rate=0.2
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from typing import Any, ClassVar, Protocol
+
+import torch
+
+from speedkv.core.cache import LayerKV
+from speedkv.core.spec import format_value
+from speedkv.hf.backbone import ModelShape
+
+
+@dataclass
+class PromptInfo:
+    """What a policy may know about the prompt before its prefill starts."""
+
+    ids: torch.Tensor  # [n] token ids that will be prefilled
+    header_tokens: int | None = None  # length of the chat template's generation header, if any
+    positions: torch.Tensor | None = None  # absolute positions of `ids` (default 0..n-1)
+    original_length: int | None = None  # prompt length before any token selection
+
+    def __post_init__(self):
+        if self.positions is None:
+            self.positions = torch.arange(self.ids.shape[0], device=self.ids.device)
+        if self.original_length is None:
+            self.original_length = int(self.ids.shape[0])
+
+    @property
+    def n(self) -> int:
+        return int(self.ids.shape[0])
+
+
+@dataclass
+class Selection:
+    """Prompt tokens a method prefills instead of the whole prompt (GemFilter, SpecPrefill)."""
+
+    indices: torch.Tensor  # [k] sorted indices into the prompt
+    positions: torch.Tensor  # [k] the positions they are prefilled at
+    next_position: int  # where decoding continues
+
+
+@dataclass
+class Stream:
+    """The residual-stream rows entering a layer during prefill (one sequence)."""
+
+    h: torch.Tensor  # [n, hidden]
+    pos: torch.Tensor  # [n] absolute positions, increasing
+
+
+class LayerView(Protocol):
+    """What a policy may inspect of a layer once its prefill attention is done."""
+
+    layer: int
+    kv: LayerKV  # the layer's entries (computed and synthesised), in the order written
+    q_pos: torch.Tensor  # [n] positions of the rows computed in this layer
+
+    def queries(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """Post-rotary queries [Hq, w, D] of the last w computed rows and their positions,
+        w = the policy's `query_window(layer)`."""
+        ...
+
+
+class Policy:
+    """Full attention. Subclasses override the hooks their method changes."""
+
+    name: ClassVar[str] = "full"
+
+    @dataclass
+    class Config:
+        pass
+
+    def __init__(self, config: Any, shape: ModelShape):
+        self.config = config
+        self.shape = shape
+
+    # -- identity ------------------------------------------------------------------------------
+    def spec(self) -> str:
+        """Canonical spec: the name and every option with its resolved value."""
+        fields = dataclasses.fields(self.config)
+        if not fields:
+            return self.name
+        opts = ",".join(f"{f.name}={format_value(getattr(self.config, f.name))}" for f in fields)
+        return f"{self.name}:{opts}"
+
+    def summary(self) -> dict:
+        """What the method kept or chose for the last prompt, for reports (JSON-able)."""
+        return {}
+
+    # -- before prefill ----------------------------------------------------------------------
+    def select_prompt(self, prompt: PromptInfo, engine: Any) -> Selection | None:
+        """Choose a subset of prompt tokens (and their positions) to prefill; None keeps all.
+
+        `engine` can run probes (the model's own first layers, or a speculator)."""
+        return None
+
+    def begin(self, prompt: PromptInfo) -> None:
+        """Called once per sequence before its prefill (after any prompt selection)."""
+
+    # -- prefill, per layer ------------------------------------------------------------------
+    def computed(self, layer: int, stream: Stream) -> torch.Tensor | None:
+        """Rows of `stream` that run layer `layer` (bool [n]); None means all of them.
+
+        Rows not selected leave the residual stream for good: they are not computed in this
+        layer or any later one.
+        """
+        return None
+
+    def exited_kv(self, layer: int) -> int | None:
+        """For rows that left the stream: None means they have no K/V in `layer`; an index n
+        means their K/V here are projected from the residual they left with, normed by layer
+        n's input norm (POP: n = layer; SwiftKV: n = its cut layer)."""
+        return None
+
+    def kv_input(self, layer: int) -> tuple[int, int] | None:
+        """For computed rows and decode tokens: None means K/V come from the layer's own
+        input; (src, n) means they are projected from the residual entering layer `src`,
+        normed by layer n's input norm (SwiftKV's single input)."""
+        return None
+
+    def kv_owner(self, layer: int) -> int:
+        """The layer whose cache (and K/V projection) `layer` uses; itself unless caches are
+        shared across layers (SwiftKV's AcrossKV)."""
+        return layer
+
+    def visible(self, layer: int, q_pos: torch.Tensor, k_pos: torch.Tensor) -> torch.Tensor | None:
+        """Extra visibility rule on top of causality: bool [n_q, n_k], True where a query
+        may see a key. None means plain causal attention over what the layer holds."""
+        return None
+
+    def query_window(self, layer: int) -> int:
+        """How many of the layer's last query rows `observe`/`kept` want to see (0 = none)."""
+        return 0
+
+    def observe(self, layer: int, view: LayerView) -> None:
+        """Called after a layer's prefill attention (scores for later decisions)."""
+
+    def kept(self, layer: int, view: LayerView) -> torch.Tensor | None:
+        """Which of the layer's entries the cache keeps: bool [m] over entries in the order
+        written, or index [heads, m] per head (heads = KV heads, or query heads for per-query-
+        head retention); None keeps all of them."""
+        return None
+
+    # -- decode --------------------------------------------------------------------------------
+    def keeps_decode_kv(self, layer: int) -> bool:
+        """Whether a decode-phase token's K/V in `layer` stays in the cache for later tokens."""
+        return True
+
+    def after_decode(self, layer: int, q: torch.Tensor, kv: LayerKV) -> None:
+        """Called after a decode token attended in `layer` (q: [Hq, 1, D]); eviction goes here."""

@@ -1,0 +1,189 @@
+"""Layer-major prefill of one prompt under a method's policy.
+
+The prompt's rows flow up the layers as a residual stream. Before each layer the policy may
+drop rows (`computed`): SPEED drops its shallow tokens at `lcut`, FastKV keeps its selected
+tokens after the TSP layer. Dropped rows are never computed again; a policy may still give
+them K/V in later layers, projected from the residual they left with (POP, SwiftKV).
+
+Within a layer the computed rows go through in chunks of `chunk_size` queries, each chunk's
+K/V written straight into the layer's cache buffer before it attends, so activation memory
+does not grow with the prompt and attention never materialises an N x N matrix. After the
+layer, the policy may look at its queries and keys (`observe`) and choose what the cache
+keeps (`kept`).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from speedkv.core.attention import prefill_attention
+from speedkv.core.cache import KVCache, LayerKV
+from speedkv.core.policy import Policy, PromptInfo, Stream
+from speedkv.hf.backbone import Backbone
+
+
+@dataclass
+class Prefill:
+    """A prompt's prefill: its cache, the last computed position's logits, the work it took."""
+
+    cache: KVCache
+    logits: torch.Tensor  # [vocab] float32
+    hidden: torch.Tensor  # [hidden] the last computed row's final (normed) hidden state
+    next_position: int  # position of the first generated token
+    rows: list[int]  # tokens computed in each layer
+    pairs: list[int]  # query-key pairs attended in each layer
+
+
+@dataclass
+class _Exit:
+    layer: int  # the first layer these rows were not computed in
+    h: torch.Tensor  # the residual they left with
+    pos: torch.Tensor
+
+
+class _View:
+    """A finished layer as policies see it (see policy.LayerView)."""
+
+    def __init__(self, layer: int, kv: LayerKV, q_pos: torch.Tensor, q_tail, q_tail_pos):
+        self.layer, self.kv, self.q_pos = layer, kv, q_pos
+        self._q, self._q_pos = q_tail, q_tail_pos
+
+    def queries(self) -> tuple[torch.Tensor, torch.Tensor]:
+        return self._q, self._q_pos
+
+
+class PrefillRun:
+    """The state of one prompt's prefill while it climbs the layers."""
+
+    def __init__(self, backbone: Backbone, policy: Policy, depth: int, chunk_size: int, spare: int):
+        self.bb, self.policy, self.depth = backbone, policy, depth
+        self.chunk, self.spare = chunk_size, spare
+        self.shape = backbone.shape
+        self.exits: list[_Exit] = []
+        self.saved: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+        self.layers: list[LayerKV] = []
+        self.rows: list[int] = []
+        self.pairs: list[int] = []
+
+    def run(self, prompt: PromptInfo, next_position: int) -> Prefill:
+        policy, bb = self.policy, self.bb
+        sources = {
+            src for layer in range(self.depth) if (ki := policy.kv_input(layer)) for src in ki[:1]
+        }
+        h, pos = bb.embed(prompt.ids), prompt.positions
+        for layer in range(self.depth):
+            selected = policy.computed(layer, Stream(h, pos))
+            if selected is not None and not bool(selected.all()):
+                self.exits.append(_Exit(layer, h[~selected], pos[~selected]))
+                h, pos = h[selected], pos[selected]
+            if pos.numel() == 0:
+                raise RuntimeError(f"method {policy.spec()} left no token in layer {layer}")
+            if layer in sources:
+                self.saved[layer] = (h, pos)
+            h = self._layer(layer, h, pos)
+        hidden = bb.final_norm(h[-1:])
+        logits = bb.logits(hidden)[0]
+        return Prefill(
+            KVCache(self.layers), logits, hidden[0], next_position, self.rows, self.pairs
+        )
+
+    def _layer(self, layer: int, h: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
+        bb, policy, shape = self.bb, self.policy, self.shape
+        owner = policy.kv_owner(layer)
+        writes = owner == layer
+        if writes:
+            synthesised = list(self._exited_kv(layer))
+            extra = sum(p.numel() for _, _, p in synthesised)
+            kv = LayerKV(
+                shape.num_kv_heads,
+                extra + h.shape[0] + self.spare,
+                shape.head_dim,
+                bb.dtype,
+                h.device,
+            )
+            for k, v, p in synthesised:
+                kv.extend(k, v, p)
+            aligned = extra == 0  # entries are exactly the computed rows, in order
+        else:
+            kv, aligned = self.layers[owner], False
+        kv_input = policy.kv_input(layer)
+        window = policy.query_window(layer)
+        rows = h.shape[0]
+        cos, sin = bb.rope(pos)
+        q_all = h.new_empty((shape.num_heads, rows, shape.head_dim))
+        for start, end in self._chunks(rows):  # projections, chunk by chunk
+            c, s = cos[start:end], sin[start:end]
+            x = bb.input_norm(layer, h[start:end])
+            if kv_input is None and writes:
+                q, k, v = bb.qkv(layer, x, c, s)
+            else:
+                q = bb.q(layer, x, c, s)
+                if writes:
+                    src, norm = kv_input
+                    h_src, pos_src = self.saved[src]
+                    picked = torch.searchsorted(pos_src, pos[start:end])
+                    k, v = bb.kv(layer, bb.input_norm(norm, h_src[picked]), c, s)
+            if writes:
+                kv.extend(k, v, pos[start:end])
+            q_all[:, start:end] = q
+        o_all, attended = self._attend(layer, q_all, pos, kv, aligned)
+        out = torch.empty_like(h)
+        for start, end in self._chunks(rows):  # output projection and MLP, chunk by chunk
+            o = bb.attn_out(layer, o_all[:, start:end])
+            out[start:end] = bb.mlp_block(layer, h[start:end] + o)
+        q_tail = q_all[:, -window:] if window else None
+        view = _View(layer, kv, pos, q_tail, pos[-q_tail.shape[1] :] if window else None)
+        policy.observe(layer, view)
+        if writes:
+            keep = policy.kept(layer, view)
+            if keep is not None:
+                kv.keep(keep.nonzero()[:, 0] if keep.dtype == torch.bool else keep)
+        self.layers.append(kv)
+        self.rows.append(int(pos.numel()))
+        self.pairs.append(attended)
+        return out
+
+    def _attend(
+        self, layer: int, q: torch.Tensor, pos: torch.Tensor, kv: LayerKV, aligned: bool
+    ) -> tuple[torch.Tensor, int]:
+        """Attention of every computed row; returns the output and the pairs attended.
+
+        When the layer holds exactly the computed rows in order and the policy adds no
+        visibility rule, one causal call covers the whole layer: the fused kernel works
+        block by block and never materialises the score matrix, and one call is markedly
+        faster on CPU than chunked calls with an offset causal mask. Otherwise queries go in
+        chunks with an explicit mask by position.
+        """
+        rows = q.shape[1]
+        has_rule = self.policy.visible(layer, pos[:1], kv.positions()[0]) is not None
+        if aligned and not has_rule:
+            return prefill_attention(q, kv.keys(), kv.values()), rows * (rows + 1) // 2
+        out, attended = torch.empty_like(q), 0
+        k_pos = kv.positions()[0]
+        for start, end in self._chunks(rows):
+            mask = k_pos[None, :] <= pos[start:end, None]
+            visible = self.policy.visible(layer, pos[start:end], k_pos)
+            if visible is not None:
+                mask &= visible
+            out[:, start:end] = prefill_attention(q[:, start:end], kv.keys(), kv.values(), mask)
+            attended += int(mask.sum())
+        return out, attended
+
+    def _chunks(self, rows: int):
+        for start in range(0, rows, self.chunk):
+            yield start, min(start + self.chunk, rows)
+
+    def _exited_kv(self, layer: int):
+        """K/V of rows that left the stream, if the policy gives them any in this layer."""
+        norm = self.policy.exited_kv(layer)
+        if norm is None:
+            return
+        for gone in self.exits:
+            for start in range(0, gone.pos.numel(), self.chunk):
+                end = min(start + self.chunk, gone.pos.numel())
+                cos, sin = self.bb.rope(gone.pos[start:end])
+                x = self.bb.input_norm(norm, gone.h[start:end])
+                k, v = self.bb.kv(layer, x, cos, sin)
+                yield k, v, gone.pos[start:end]

@@ -1,0 +1,84 @@
+"""Trained adapters: what they record about their training, and applying one for inference.
+
+An adapter directory is peft's format (`adapter_config.json`, `adapter_model.safetensors`)
+plus `training.json`: the base model and its shape, the method spec it was trained for, the
+data, the recipe, wall time and tokens/s. For inference the adapter is merged into a copy of
+the model's weights, so the engine runs plain Linear layers at full speed.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import warnings
+from dataclasses import asdict
+from pathlib import Path
+
+from speedkv.errors import UserError
+from speedkv.hf.loading import LoadedModel
+
+INFO_NAME = "training.json"
+FORMAT = "speedkv-adapter/1"
+SHAPE_FIELDS = ("model_type", "num_layers", "hidden_size", "num_heads", "num_kv_heads", "head_dim")
+
+
+def require_peft():
+    """The peft package, or one clear sentence on how to get it."""
+    try:
+        import peft
+    except ImportError:
+        raise UserError(
+            "LoRA training and adapters need the peft package: pip install 'peft>=0.17'"
+        ) from None
+    return peft
+
+
+def read_adapter_info(adapter_dir: str | Path) -> dict:
+    """The adapter's training.json ({} for a peft adapter trained elsewhere)."""
+    path = Path(adapter_dir)
+    if not (path / "adapter_config.json").is_file():
+        raise UserError(
+            f"'{adapter_dir}' is not an adapter directory: it has no adapter_config.json "
+            "(give the --out directory of `speedkv train` or one of its checkpoints)"
+        )
+    info = path / INFO_NAME
+    if not info.is_file():
+        return {}
+    try:
+        return json.loads(info.read_text())
+    except json.JSONDecodeError as err:
+        raise UserError(f"'{info}' is not valid JSON ({err.msg})") from None
+
+
+def apply_adapter(loaded: LoadedModel, adapter_dir: str | Path) -> LoadedModel:
+    """A new LoadedModel with the adapter merged into a copy of `loaded`'s weights; refuses
+    an adapter trained for a model of another shape."""
+    PeftModel = require_peft().PeftModel
+
+    info = read_adapter_info(adapter_dir)
+    _check_shape(info, loaded, adapter_dir)
+    base = copy.deepcopy(loaded.hf_model)
+    try:
+        with warnings.catch_warnings():  # transformers deprecations peft triggers, not ours
+            warnings.filterwarnings("ignore", category=FutureWarning)
+            wrapped = PeftModel.from_pretrained(base, str(adapter_dir))
+    except (ValueError, KeyError, RuntimeError) as err:
+        raise UserError(f"the adapter in '{adapter_dir}' does not fit this model ({err})") from None
+    merged = wrapped.merge_and_unload()
+    merged.eval().requires_grad_(False)
+    name = f"{loaded.name}+{Path(adapter_dir).name}"
+    return LoadedModel(name=name, hf_model=merged, tokenizer=loaded.tokenizer, source=loaded.source)
+
+
+def _check_shape(info: dict, loaded: LoadedModel, adapter_dir) -> None:
+    recorded = info.get("model_shape")
+    if not recorded:
+        return
+    actual = asdict(loaded.shape)
+    differs = [k for k in SHAPE_FIELDS if k in recorded and recorded[k] != actual[k]]
+    if differs:
+        raise UserError(
+            f"the adapter in '{adapter_dir}' was trained for "
+            f"{info.get('base_model', 'another model')} "
+            f"({', '.join(f'{k}={recorded[k]}' for k in differs)}), not for {loaded.name}"
+        )

@@ -1,0 +1,264 @@
+"""The only module that touches transformers' model internals.
+
+The engine owns the decoder loop; this module hands it the pieces of a HuggingFace causal LM
+(embedding, per-layer norms and projections, MLP, final norm, LM head, rotary tables) under
+names that do not depend on the model family. Supported: Llama, Mistral, Qwen2, Qwen3 -- the
+pre-norm, rotary, grouped-query decoders whose layers are `input_layernorm -> self_attn ->
+residual -> post_attention_layernorm -> mlp -> residual`.
+
+When a transformers release renames something, this is the file to change.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from speedkv.errors import UserError
+
+SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
+
+
+@dataclass(frozen=True)
+class ModelShape:
+    """The dimensions every part of speedkv needs to know about a model."""
+
+    model_type: str
+    num_layers: int
+    hidden_size: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    intermediate_size: int
+    vocab_size: int
+    max_positions: int
+
+    def kv_bytes_per_token_layer(self, dtype: torch.dtype) -> int:
+        """Bytes of one token's key and value in one layer."""
+        return 2 * self.num_kv_heads * self.head_dim * torch.empty((), dtype=dtype).element_size()
+
+
+def check_supported(model_type: str) -> None:
+    if model_type not in SUPPORTED_MODEL_TYPES:
+        raise UserError(
+            f"model architecture '{model_type}' is not supported; speedkv runs "
+            f"{', '.join(SUPPORTED_MODEL_TYPES)} decoders"
+        )
+
+
+def shape_of(config) -> ModelShape:
+    check_supported(config.model_type)
+    if getattr(config, "use_sliding_window", False):
+        raise UserError("models configured with sliding-window attention are not supported")
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+    return ModelShape(
+        model_type=config.model_type,
+        num_layers=config.num_hidden_layers,
+        hidden_size=config.hidden_size,
+        num_heads=config.num_attention_heads,
+        num_kv_heads=config.num_key_value_heads or config.num_attention_heads,
+        head_dim=head_dim,
+        intermediate_size=config.intermediate_size,
+        vocab_size=config.vocab_size,
+        max_positions=config.max_position_embeddings,
+    )
+
+
+def rotate_half(x: torch.Tensor) -> torch.Tensor:
+    half = x.shape[-1] // 2
+    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotary embedding in the rotate-half layout used by HF Llama-family checkpoints.
+
+    x: [..., heads, n, head_dim]; cos, sin: [n, head_dim] (broadcast over heads).
+    """
+    return x * cos + rotate_half(x) * sin
+
+
+class Backbone:
+    """A causal LM's pieces, addressed by layer index, for a decoder loop we run ourselves."""
+
+    def __init__(self, hf_model: nn.Module):
+        self.hf_model = hf_model
+        self.config = hf_model.config
+        self.shape = shape_of(self.config)
+        inner = hf_model.model
+        self._embed = inner.embed_tokens
+        self.layers = inner.layers
+        self._norm = inner.norm
+        self._rotary = inner.rotary_emb
+        self._lm_head = hf_model.lm_head
+        self.scaling = self.shape.head_dim**-0.5
+        self._rope_table: tuple[torch.Tensor, torch.Tensor] | None = None
+
+    # -- basic facts --------------------------------------------------------------------------
+    @property
+    def device(self) -> torch.device:
+        return self._embed.weight.device
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self._embed.weight.dtype
+
+    def decode_weight_bytes(self) -> int:
+        """Bytes of weight one decode step must read: every layer, the final norm and the LM
+        head (the embedding contributes one row; tied or not, its matrix is read as the head)."""
+        modules = [*self.layers, self._norm, self._lm_head]
+        seen: set[int] = set()
+        total = 0
+        for module in modules:
+            for p in module.parameters():
+                if id(p) not in seen:
+                    seen.add(id(p))
+                    total += p.numel() * p.element_size()
+        return total
+
+    # -- embedding, rotary table, head ---------------------------------------------------------
+    def embed(self, ids: torch.Tensor) -> torch.Tensor:
+        return self._embed(ids)
+
+    def rope(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos, sin for the given absolute positions ([n] -> [n, head_dim] each).
+
+        The table is computed by the model's own rotary module (so rope scaling variants come
+        out as HF has them) once for the whole context, and extended if generation runs past
+        it, as HF's generate allows.
+        """
+        needed = int(positions.max()) + 1 if positions.numel() else 1
+        table = self._rope_table
+        if table is None or table[0].dtype != self.dtype or table[0].shape[0] < needed:
+            size = max(self.shape.max_positions, 2 * needed if table is not None else needed)
+            all_pos = torch.arange(size, device=self.device)[None]
+            probe = torch.empty((), dtype=self.dtype, device=self.device)
+            cos, sin = self._rotary(probe, all_pos)
+            self._rope_table = table = (cos[0].contiguous(), sin[0].contiguous())
+        return table[0][positions], table[1][positions]
+
+    def final_norm(self, h: torch.Tensor) -> torch.Tensor:
+        return self._norm(h)
+
+    def logits(self, h: torch.Tensor) -> torch.Tensor:
+        """LM head over (already normed) hidden states, in float32 for sampling."""
+        return self._lm_head(h).float()
+
+    # -- one decoder layer, in parts -------------------------------------------------------
+    def input_norm(self, layer: int, h: torch.Tensor) -> torch.Tensor:
+        return self.layers[layer].input_layernorm(h)
+
+    def qkv(
+        self, layer: int, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Post-rotary q [..., Hq, n, D] and k, v [..., Hkv, n, D] of normed input x [..., n, H]."""
+        attn = self.layers[layer].self_attn
+        q = self._heads(attn.q_proj(x))
+        k = self._heads(attn.k_proj(x))
+        v = self._heads(attn.v_proj(x))
+        if hasattr(attn, "q_norm"):  # Qwen3 normalises q and k per head before rotary
+            q = attn.q_norm(q.transpose(-3, -2)).transpose(-3, -2)
+            k = attn.k_norm(k.transpose(-3, -2)).transpose(-3, -2)
+        return apply_rope(q, cos, sin), apply_rope(k, cos, sin), v
+
+    def q(self, layer: int, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        """Only a layer's post-rotary query of normed input x."""
+        attn = self.layers[layer].self_attn
+        q = self._heads(attn.q_proj(x))
+        if hasattr(attn, "q_norm"):
+            q = attn.q_norm(q.transpose(-3, -2)).transpose(-3, -2)
+        return apply_rope(q, cos, sin)
+
+    def kv(
+        self, layer: int, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Only a layer's post-rotary k and v of normed input x (no query, no attention)."""
+        attn = self.layers[layer].self_attn
+        k = self._heads(attn.k_proj(x))
+        v = self._heads(attn.v_proj(x))
+        if hasattr(attn, "k_norm"):
+            k = attn.k_norm(k.transpose(-3, -2)).transpose(-3, -2)
+        return apply_rope(k, cos, sin), v
+
+    def attn_out(self, layer: int, o: torch.Tensor) -> torch.Tensor:
+        """Output projection of attention output o [..., Hq, n, D] -> [..., n, H]."""
+        o = o.transpose(-3, -2).flatten(-2)
+        return self.layers[layer].self_attn.o_proj(o)
+
+    def mlp_block(self, layer: int, h: torch.Tensor) -> torch.Tensor:
+        """h + MLP(post_attention_layernorm(h))."""
+        block = self.layers[layer]
+        return h + block.mlp(block.post_attention_layernorm(h))
+
+    def _heads(self, x: torch.Tensor) -> torch.Tensor:
+        # [..., n, heads*D] -> [..., heads, n, D]
+        return x.unflatten(-1, (-1, self.shape.head_dim)).transpose(-3, -2)
+
+    # -- the library's own computation, for reference checks and training ---------------------
+    def hf_layer(
+        self, layer: int, h: torch.Tensor, mask: torch.Tensor, positions: torch.Tensor
+    ) -> torch.Tensor:
+        """transformers' own forward of one decoder layer over h [B, n, H].
+
+        mask: bool [B or 1, 1, n, n], True where a query may see a key. Used by the dense
+        SPEED reference and by SPEED-aware training, so they do not share our attention code.
+        """
+        additive = torch.zeros(mask.shape, dtype=h.dtype, device=h.device)
+        additive.masked_fill_(~mask, torch.finfo(h.dtype).min)
+        position_ids = positions.view(1, -1).expand(h.shape[0], -1)
+        cos, sin = self._rotary(h, position_ids)
+        out = self.layers[layer](
+            h, attention_mask=additive, position_ids=position_ids, position_embeddings=(cos, sin)
+        )
+        return out[0] if isinstance(out, tuple) else out
+
+    def hf_generate_timed(self, ids: torch.Tensor, max_new_tokens: int) -> dict:
+        """The library's own greedy `generate`, timed: the baseline users already know.
+
+        Returns the new tokens, time to the first one, mean time per later one, and the bytes of
+        the key/value tensors its cache holds at the end.
+        """
+        import time
+
+        from transformers import GenerationConfig
+        from transformers.generation.streamers import BaseStreamer
+
+        class Clock(BaseStreamer):
+            def __init__(self):
+                self.calls: list[float] = []
+
+            def put(self, value):  # first call: the prompt; then one per new token
+                self.calls.append(time.perf_counter())
+
+            def end(self):
+                pass
+
+        clock = Clock()
+        config = GenerationConfig(
+            max_new_tokens=max_new_tokens,
+            min_new_tokens=max_new_tokens,
+            do_sample=False,
+            pad_token_id=0,
+            eos_token_id=None,
+            return_dict_in_generate=True,
+        )
+        start = time.perf_counter()
+        with torch.inference_mode():
+            out = self.hf_model.generate(
+                ids,
+                attention_mask=torch.ones_like(ids),
+                generation_config=config,
+                streamer=clock,
+            )
+        tokens = out.sequences[0, ids.shape[1] :].tolist()
+        stamps = clock.calls[1:]
+        kv = sum(
+            t.nbytes for layer in out.past_key_values.layers for t in (layer.keys, layer.values)
+        )
+        return {
+            "output_ids": tokens,
+            "ttft_s": stamps[0] - start,
+            "tpot_s": (stamps[-1] - stamps[0]) / (len(stamps) - 1) if len(stamps) > 1 else 0.0,
+            "kv_bytes_final": kv,
+        }

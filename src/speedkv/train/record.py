@@ -1,0 +1,56 @@
+"""The training record (training.json) a run writes beside its adapter."""
+
+from __future__ import annotations
+
+from dataclasses import asdict
+
+from speedkv.hf.adapters import FORMAT, SHAPE_FIELDS, require_peft
+
+
+def adapter_info_record(
+    loaded, spec: str, config, data: dict, trainable: int, command: str
+) -> dict:
+    """The training.json of a run (steps, wall time and history are added as it goes)."""
+    import torch
+    import transformers
+
+    from speedkv.version import __version__
+
+    peft = require_peft()
+
+    shape = asdict(loaded.shape)
+    return {
+        "format": FORMAT,
+        "base_model": loaded.name,
+        "model_shape": {k: shape[k] for k in SHAPE_FIELDS},
+        "method": spec,
+        "data": data,
+        "seed": config.seed,
+        "lora": {
+            "r": config.lora_r,
+            "alpha": config.lora_alpha,
+            "dropout": config.lora_dropout,
+            "target_modules": list(config.target_modules),
+            "trainable_parameters": trainable,
+        },
+        "recipe": {
+            "lr": config.lr,
+            "optimizer": "AdamW betas (0.9, 0.99), no weight decay, clip 1.0",
+            "schedule": f"{config.warmup_steps} warm-up steps, cosine to 10%",
+            "max_steps": config.steps,
+            "epochs": config.epochs if config.steps is None else None,
+            "batch": config.batch,
+            "grad_accum": config.grad_accum,
+            "seq_len": config.seq_len,
+            "distill": config.distill,
+            "distill_temperature": config.distill_temperature,
+            "bf16_autocast": config.bf16,
+        },
+        "command": command,
+        "versions": {
+            "speedkv": __version__,
+            "torch": torch.__version__,
+            "transformers": transformers.__version__,
+            "peft": peft.__version__,
+        },
+    }
