@@ -7,7 +7,11 @@ import sys
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
-LINT = [sys.executable, "-c", "from importlinter.cli import lint_imports_command; lint_imports_command()"]
+LINT = [
+    sys.executable,
+    "-c",
+    "from importlinter.cli import lint_imports_command; lint_imports_command()",
+]
 
 
 def lint(package_parent: Path) -> subprocess.CompletedProcess:

@@ -11,6 +11,8 @@ from dataclasses import dataclass
 
 import torch
 
+from speedkv.hf.loading import dtype_name
+
 
 @dataclass(frozen=True)
 class MachineLimits:
@@ -72,6 +74,6 @@ def measure_limits(device: torch.device, dtype: torch.dtype) -> MachineLimits:
     return MachineLimits(
         bandwidth_bytes_s=measure_bandwidth(device),
         matmul_flops_s=measure_matmul(device, dtype),
-        dtype=str(dtype).replace("torch.", ""),
+        dtype=dtype_name(dtype),
         device=str(device),
     )

@@ -158,7 +158,7 @@ class Bench:
         runs_path = self.out / "runs.jsonl"
         header = {
             "model": cfg.model,
-            "dtype": str(self.model.dtype).replace("torch.", ""),
+            "dtype": self.model.dtype_name,
             "new_tokens": cfg.new_tokens,
         }
         runs = self._load_runs(runs_path, header) if resume else []
@@ -268,7 +268,7 @@ class Bench:
         result = {
             "config": asdict(self.config),
             "methods": self.methods,
-            "dtype": str(self.model.dtype).replace("torch.", ""),
+            "dtype": self.model.dtype_name,
             "machine": machine_facts(),
             "limits": {
                 "bandwidth_gb_s": limits.bandwidth_bytes_s / 1e9,

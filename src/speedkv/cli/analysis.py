@@ -80,7 +80,7 @@ def diagnose_command(
     log(f"{len(prompts)} prompts ({min(map(len, prompts))}-{max(map(len, prompts))} tokens)")
     result = diagnose(Engine(loaded), prompts, new_tokens, lcut, anchors)
     result["model"] = loaded.name
-    result["dtype"] = str(loaded.dtype).replace("torch.", "")
+    result["dtype"] = loaded.dtype_name
     out.mkdir(parents=True, exist_ok=True)
     (out / "diagnosis.json").write_text(json.dumps(result, indent=1))
     figures = write_figures(result, out)
@@ -214,7 +214,7 @@ def choose_lcut_command(
         compare_separate,
         reference=loaded if adapted is not None else None,
     )
-    result.update(model=loaded.name, dtype=str(loaded.dtype).replace("torch.", ""))
+    result.update(model=loaded.name, dtype=loaded.dtype_name)
     chosen = result["lcut"]
     spec = f"speed:lcut={chosen},anchors={anchors},deep={deep}"
     result["spec"] = make_policy(spec, shape).spec() if chosen is not None else None

@@ -77,7 +77,7 @@ def run_demo(
             row[ratio] = row[key] / base[key] if base[key] else float("nan")
     report = {
         "model": loaded.name,
-        "dtype": str(loaded.dtype).replace("torch.", ""),
+        "dtype": loaded.dtype_name,
         "fact": FACT,
         "question": QUESTION,
         "rows": rows,

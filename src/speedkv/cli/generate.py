@@ -87,7 +87,7 @@ def generate(
         record = {
             "model": loaded.name,
             "method": result.method,
-            "dtype": str(loaded.dtype).replace("torch.", ""),
+            "dtype": loaded.dtype_name,
             "prompt_ids": result.prompt_ids,
             "output_ids": result.output_ids,
             "text": result.text,

@@ -95,7 +95,7 @@ def serve(
     config.model_name = loaded.name
     app_ = create_app(Engine(loaded), config)
     _log(
-        f"serving '{loaded.name}' ({str(loaded.dtype).replace('torch.', '')}) with "
+        f"serving '{loaded.name}' ({loaded.dtype_name}) with "
         f"{config.method} on http://{host}:{port}/v1; max batch {max_batch}, "
         f"queue {max_queue}"
     )

@@ -128,7 +128,7 @@ class EvalRunner:
         cfg = self.config
         return {
             "model": cfg.model,
-            "dtype": str(self.model.dtype).replace("torch.", ""),
+            "dtype": self.model.dtype_name,
             "seed": cfg.seed,
             "split": cfg.split,
             "depths": cfg.depths,

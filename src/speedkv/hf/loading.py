@@ -96,11 +96,20 @@ class LoadedModel:
     def dtype(self) -> torch.dtype:
         return self.backbone.dtype
 
+    @property
+    def dtype_name(self) -> str:
+        return dtype_name(self.dtype)
+
     def eos_token_ids(self) -> set[int]:
         from speedkv.hf.text import eos_token_ids
 
         gen = getattr(self.hf_model, "generation_config", None)
         return eos_token_ids(self.tokenizer, self.hf_model.config, gen)
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    """'bfloat16' for torch.bfloat16: how reports and JSON name a dtype."""
+    return str(dtype).removeprefix("torch.")
 
 
 def cache_dir() -> Path:
