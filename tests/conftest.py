@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+
 import pytest
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
@@ -39,8 +41,15 @@ def tiny_model(family: str, seed: int = 0) -> LoadedModel:
 
 
 @pytest.fixture(scope="session", params=["llama", "qwen2"])
-def tiny(request) -> LoadedModel:
-    return tiny_model(request.param)
+def tiny(request) -> Iterator[LoadedModel]:
+    model = tiny_model(request.param)
+    yield model
+    # every test shares this instance: one that changed its weights or dtype (instead of
+    # building its own model) would have skewed every test after it
+    fresh = tiny_model(request.param).hf_model.state_dict()
+    for key, value in model.hf_model.state_dict().items():
+        unchanged = value.dtype == fresh[key].dtype and torch.equal(value, fresh[key])
+        assert unchanged, f"a test changed the shared tiny-{request.param} model ({key})"
 
 
 @pytest.fixture(scope="session")
@@ -51,6 +60,19 @@ def tiny_engine(tiny) -> Engine:
 def random_prompt(n: int, vocab: int = 101, seed: int = 1) -> list[int]:
     g = torch.Generator().manual_seed(seed)
     return torch.randint(0, vocab, (n,), generator=g).tolist()
+
+
+@pytest.fixture(scope="session")
+def smol_tokenizer():
+    """SmolLM2's tokenizer and chat template, without its weights (skips if not installed)."""
+    from transformers import AutoTokenizer
+
+    from speedkv.hf.loading import EMBEDDED, convert_gguf
+
+    parts = EMBEDDED["smollm2-135m"].part_paths()
+    if parts is None:
+        pytest.skip("the embedded SmolLM2 is not installed")
+    return AutoTokenizer.from_pretrained(convert_gguf(parts[0], progress=False))
 
 
 @pytest.fixture(scope="session")

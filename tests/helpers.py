@@ -9,6 +9,7 @@ import torch
 from speedkv.cli import app as cli
 from speedkv.core.engine import Engine
 from speedkv.core.policy import Policy
+from speedkv.core.registry import method_class
 
 
 def greedy_with_logits(engine: Engine, ids: list[int], policy: Policy, steps: int):
@@ -21,6 +22,20 @@ def greedy_with_logits(engine: Engine, ids: list[int], policy: Policy, steps: in
         rows.append(row)
         tokens.append(int(row.argmax()))
     return tokens, torch.stack(rows), cache
+
+
+def hf_generate(hf_model, ids: list[int], new: int, **options) -> list[int]:
+    """transformers' own greedy `generate` on one prompt: the new token ids (`options` are
+    further `generate` arguments, e.g. min_new_tokens=new to ignore EOS)."""
+    out = hf_model.generate(
+        torch.tensor([ids]),
+        attention_mask=torch.ones(1, len(ids), dtype=torch.long),
+        max_new_tokens=new,
+        do_sample=False,
+        pad_token_id=0,
+        **options,
+    )
+    return out[0, len(ids) :].tolist()
 
 
 def run_cli(args, monkeypatch, capsys, model=None):
@@ -36,3 +51,14 @@ def run_cli(args, monkeypatch, capsys, model=None):
         code = stop.code
     out = capsys.readouterr()
     return code, out.out, out.err
+
+
+def declared_degenerate_specs(name: str) -> tuple[str, ...]:
+    """The degenerate specs a registered method declares on its own class (one inherited from
+    a base class does not count: it describes another method); () if it declares none."""
+    return vars(method_class(name)).get("degenerate_specs", ())
+
+
+def fill_spec(template: str, layers: int, tokens: int) -> str:
+    """A declared spec for a model of `layers` layers and `tokens` prompt + new tokens."""
+    return template.format(L=layers, T=tokens)

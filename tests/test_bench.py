@@ -6,9 +6,10 @@ import pytest
 
 from speedkv.bench.report import engine_vs_hf
 from speedkv.bench.roofline import MachineLimits
-from speedkv.bench.runner import Bench, BenchConfig, add_bounds, bench_prompt, rotated
+from speedkv.bench.runner import Bench, BenchConfig, add_bounds, rotated
 from speedkv.cli.options import parse_lengths, parse_methods
 from speedkv.errors import UserError
+from speedkv.prompts.builders import exact_chat_prompt
 
 pytestmark = pytest.mark.real_model
 
@@ -16,7 +17,7 @@ SPECS = ["full", "speed:lcut=22,anchors=bos"]
 
 
 def test_prompts_have_the_exact_length_and_chat_framing(smollm2):
-    ids = bench_prompt(smollm2.tokenizer, 300)
+    ids = exact_chat_prompt(smollm2.tokenizer, 300)
     assert len(ids) == 300 and ids[0] == smollm2.tokenizer.bos_token_id
 
 

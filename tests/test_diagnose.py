@@ -228,9 +228,9 @@ def test_expected_savings(tiny):
         (["choose-lcut", "--budget", "agreement=2"], "must be in (0, 1]"),
         (["choose-lcut", "--anchors", "first"], "anchors must be"),
         (["choose-lcut", "--adapter", "/tmp/x"], "is not an adapter directory"),
-        (["choose-lcut", "--n", "0"], "--n must be at least 1"),
-        (["diagnose", "--prompts", "/nonexistent.txt"], "does not exist"),
-        (["diagnose", "--new-tokens", "1"], "--new-tokens must be at least 3"),
+        (["choose-lcut", "--samples", "0"], "samples must be at least 1"),
+        (["diagnose", "--prompts-file", "/nonexistent.txt"], "does not exist"),
+        (["diagnose", "--max-new-tokens", "1"], "--max-new-tokens must be at least 3"),
     ],
 )
 def test_bad_input_is_one_sentence_and_exit_2(args, message, monkeypatch, capsys):
@@ -244,13 +244,13 @@ def test_bad_prompt_files(tmp_path, monkeypatch, capsys):
     binary = tmp_path / "binary.txt"
     binary.write_bytes(b"\xff\xfe\x00bad")
     for path, message in [(empty, "has no prompts"), (binary, "is not UTF-8")]:
-        code, _, err = run_cli(["diagnose", "--prompts", str(path)], monkeypatch, capsys)
+        code, _, err = run_cli(["diagnose", "--prompts-file", str(path)], monkeypatch, capsys)
         assert code == 2 and message in err
 
 
 @pytest.mark.real_model
 def test_choose_lcut_on_smollm2(smollm2, monkeypatch, capsys):
-    args = ["choose-lcut", "--n", "1", "--prompt-tokens", "64", "--new-tokens", "8"]
+    args = ["choose-lcut", "--samples", "1", "--prompt-tokens", "64", "--continuation-tokens", "8"]
     args += ["--candidates", "26,28..30", "--budget", "agreement=0.5", "--json"]
     code, out, _ = run_cli(args, monkeypatch, capsys, model=smollm2)
     result = json.loads(out)

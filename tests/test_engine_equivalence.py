@@ -12,25 +12,13 @@ from speedkv.core.registry import make_policy
 from speedkv.core.sampling import SamplingParams
 
 from conftest import random_prompt
-from helpers import greedy_with_logits
-
-
-def hf_greedy(model, ids, steps):
-    out = model.hf_model.generate(
-        torch.tensor([ids]),
-        attention_mask=torch.ones(1, len(ids), dtype=torch.long),
-        max_new_tokens=steps,
-        min_new_tokens=steps,
-        do_sample=False,
-        pad_token_id=0,
-    )
-    return out[0, len(ids) :].tolist()
+from helpers import greedy_with_logits, hf_generate
 
 
 @pytest.mark.parametrize("n", [1, 37, 70])
 def test_full_and_uncut_speed_equal_hf_generate(tiny, tiny_engine, n):
     ids = random_prompt(n)
-    expected = hf_greedy(tiny, ids, 12)
+    expected = hf_generate(tiny.hf_model, ids, 12, min_new_tokens=12)
     L = tiny.shape.num_layers
     for spec in ("full", f"speed:lcut={L},anchors=bos", f"speed:lcut={L},anchors=none,deep=5"):
         request = Request(ids, make_policy(spec, tiny.shape), SamplingParams(max_new_tokens=12))

@@ -17,7 +17,7 @@ from speedkv.evals.documents import Fact, plant_all
 from speedkv.evals.report import metric_table, misses_markdown, percent, results_markdown, summarise
 from speedkv.evals.runner import EvalConfig, EvalRunner
 from speedkv.evals.tasks import DEFAULT_N, parse_depths, parse_n, parse_tasks
-from speedkv.hf.loading import EMBEDDED, LoadedModel, convert_gguf
+from speedkv.hf.loading import LoadedModel
 from speedkv.prompts.haystack import essays, sentences, split_names
 
 from conftest import random_prompt
@@ -36,14 +36,9 @@ def one_thread():
 
 
 @pytest.fixture(scope="module")
-def tokenizer():
+def tokenizer(smol_tokenizer):
     """SmolLM2's tokenizer and chat template (no weights loaded)."""
-    from transformers import AutoTokenizer
-
-    parts = EMBEDDED["smollm2-135m"].part_paths()
-    if parts is None:
-        pytest.skip("the embedded SmolLM2 is not installed")
-    return AutoTokenizer.from_pretrained(convert_gguf(parts[0], progress=False))
+    return smol_tokenizer
 
 
 @pytest.fixture(scope="module")
@@ -326,12 +321,12 @@ def test_summary_and_markdown_table():
         (["--tasks", "niah,bogus"], "unknown task 'bogus'"),
         (["--methods", "speed:lcut"], "malformed method spec"),
         (["--methods", "nosuch"], "unknown method 'nosuch'"),
-        (["--n", "0"], "--n must be at least 1"),
+        (["--samples", "0"], "--samples must be at least 1"),
         (["--lengths", "4096"], "longer than the model's context of 1024"),
         (["--lengths", "128"], "too short for task niah"),
         (["--depths", "0.5,2"], "depths must be fractions"),
         (["--split", "train"], "split must be eval or calib"),
-        (["--fidelity-tokens", "0"], "fidelity-tokens must be at least 1"),
+        (["--continuation-tokens", "0"], "continuation-tokens must be at least 1"),
     ],
 )
 def test_bad_arguments_exit_2_with_one_sentence(args, message, word_model, monkeypatch, capsys):
@@ -347,7 +342,7 @@ def test_bad_arguments_exit_2_with_one_sentence(args, message, word_model, monke
 def test_eval_json_and_report(word_model, tmp_path, monkeypatch, capsys):
     out = tmp_path / "run"
     args = ["eval", "--methods", "speed:lcut=2", "--tasks", "niah,sanity", "--lengths", "300"]
-    args += ["--n", "1", "--json"]
+    args += ["--samples", "1", "--json"]
     code, stdout, _ = run_cli([*args, "--out", str(out)], monkeypatch, capsys, model=word_model)
     assert code == 0
     result = json.loads(stdout)

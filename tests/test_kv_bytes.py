@@ -7,7 +7,7 @@ from speedkv.core.engine import Engine, Request
 from speedkv.core.registry import make_policy
 from speedkv.core.sampling import SamplingParams
 
-from conftest import random_prompt
+from conftest import random_prompt, tiny_model
 
 
 def analytic(L, lcut, N, A, D, g, per_token_layer):
@@ -21,24 +21,25 @@ def analytic(L, lcut, N, A, D, g, per_token_layer):
     [(6, "bos", 1, 1), (4, "bos", 1, 1), (0, "none", 0, 1), (3, "sink:4", 4, 5), (5, "none", 0, 3)],
 )
 def test_kv_bytes_match_the_analytic_count(tiny, lcut, anchors, A, D, dtype):
-    tiny.hf_model.to(dtype)
-    try:
-        engine = Engine(tiny, chunk_size=16)
-        N, new = 57, 9
-        policy = make_policy(f"speed:lcut={lcut},anchors={anchors},deep={D}", tiny.shape)
-        sampling = SamplingParams(max_new_tokens=new, ignore_eos=True)
-        result = engine.generate([Request(random_prompt(N), policy, sampling)])[0]
-        per = tiny.shape.kv_bytes_per_token_layer(dtype)
-        assert per == 2 * 2 * 16 * (4 if dtype == torch.float32 else 2)
-        L = tiny.shape.num_layers
-        assert result.kv_bytes == analytic(L, lcut, N, A, D, 0, per)
-        # the last sampled token is never fed back, so new - 1 decode tokens hold K/V
-        assert result.kv_bytes_final == analytic(L, lcut, N, A, D, new - 1, per)
-        assert result.layer_lengths == [N] * lcut + [A + D] * (L - lcut)
-        # buffers are sized for exactly what is kept plus the decode tokens to come
-        assert result.kv_allocated_bytes == result.kv_bytes_final
-    finally:
-        tiny.hf_model.to(torch.float32)
+    model = tiny
+    if dtype != torch.float32:  # a model of our own: the session's `tiny` stays float32
+        model = tiny_model(tiny.shape.model_type)
+        model.hf_model.to(dtype)
+    engine = Engine(model, chunk_size=16)
+    N, new = 57, 9
+    policy = make_policy(f"speed:lcut={lcut},anchors={anchors},deep={D}", model.shape)
+    sampling = SamplingParams(max_new_tokens=new, ignore_eos=True)
+    result = engine.generate([Request(random_prompt(N), policy, sampling)])[0]
+    per = model.shape.kv_bytes_per_token_layer(dtype)
+    assert per == 2 * 2 * 16 * (4 if dtype == torch.float32 else 2)
+    assert model.dtype == dtype
+    L = model.shape.num_layers
+    assert result.kv_bytes == analytic(L, lcut, N, A, D, 0, per)
+    # the last sampled token is never fed back, so new - 1 decode tokens hold K/V
+    assert result.kv_bytes_final == analytic(L, lcut, N, A, D, new - 1, per)
+    assert result.layer_lengths == [N] * lcut + [A + D] * (L - lcut)
+    # buffers are sized for exactly what is kept plus the decode tokens to come
+    assert result.kv_allocated_bytes == result.kv_bytes_final
 
 
 def test_selfonly_keeps_only_anchors_in_upper_layers(tiny, tiny_engine):

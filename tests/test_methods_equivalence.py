@@ -1,5 +1,6 @@
-"""Every peer method reduces to `full` exactly at its degenerate setting, and its kv_bytes
-are exact for its policy."""
+"""Every method reduces to `full` exactly at the degenerate settings it declares
+(`Policy.degenerate_specs`), decodes short prompts at its defaults, and its kv_bytes are exact
+for its policy. The lists come from the registry, so a new method is covered once registered."""
 
 import math
 
@@ -7,34 +8,49 @@ import pytest
 import torch
 
 from speedkv.core.engine import Request
-from speedkv.core.registry import make_policy
+from speedkv.core.policy import Policy
+from speedkv.core.registry import make_policy, method_class, method_names
 from speedkv.core.sampling import SamplingParams
+from speedkv.core.spec import split_spec
 
 from conftest import random_prompt
-from helpers import greedy_with_logits
+from helpers import declared_degenerate_specs, fill_spec, greedy_with_logits
 
 N, NEW = 80, 8
 
-DEGENERATE = [
-    "pop:lcut=6",
-    "swiftkv:k=6",
-    "swiftkv:k=6,acrosskv=2",
-    "fastkv:tsp_rate=1,retain=1",
-    "fastkv:tsp_layer=5,tsp_rate=80,retain=80",  # token budgets >= the prompt
-    "specprefill:keep=1",
-    "snapkv:retain=1",
-    "snapkv:retain=80,gqa=true",
-    "streamingllm:window=1",
-    f"streamingllm:sink=0,window={N + NEW}",  # a fixed cap covering prompt and new tokens
-    "h2o:heavy=1,recent=1",
-    f"h2o:heavy={N + NEW},recent=4",
-    "gemfilter:retain=1,filter_layer=5",
-    "pyramidinfer:decay=1",
-]
+
+def check_declares_degenerate_specs(cls: type[Policy]) -> None:
+    own = vars(cls).get("degenerate_specs")
+    assert own is not None, (
+        f"method '{cls.name}' ({cls.__module__}.{cls.__qualname__}) declares no degenerate "
+        f'specs: add `degenerate_specs = ("{cls.name}:...",)` right after its `name = ...` '
+        "line, the settings at which it must equal full attention exactly ({L} = the model's "
+        "layer count, {T} = prompt + new tokens), or () if no setting does"
+    )
+    assert isinstance(own, tuple), f"{cls.name}.degenerate_specs must be a tuple of specs"
+    foreign = [spec for spec in own if split_spec(spec)[0] != cls.name]
+    assert not foreign, f"{cls.name}.degenerate_specs must name '{cls.name}', not {foreign}"
 
 
-@pytest.mark.parametrize("spec", DEGENERATE)
-def test_degenerate_settings_reduce_to_full(tiny, tiny_engine, spec):
+@pytest.mark.parametrize("name", method_names())
+def test_every_method_declares_its_degenerate_specs(name):
+    check_declares_degenerate_specs(method_class(name))
+
+
+def test_a_method_without_declarations_is_told_what_to_declare():
+    class Undeclared(Policy):  # inherits full's declaration, which does not describe it
+        name = "undeclared"
+
+    with pytest.raises(AssertionError, match=r"add `degenerate_specs = \(\"undeclared:"):
+        check_declares_degenerate_specs(Undeclared)
+
+
+DEGENERATE = [spec for name in method_names() for spec in declared_degenerate_specs(name)]
+
+
+@pytest.mark.parametrize("template", DEGENERATE)
+def test_degenerate_settings_reduce_to_full(tiny, tiny_engine, template):
+    spec = fill_spec(template, tiny.shape.num_layers, N + NEW)
     ids = random_prompt(N, seed=3)
     full_tokens, full_logits, _ = greedy_with_logits(
         tiny_engine, ids, make_policy("full", tiny.shape), NEW
@@ -107,11 +123,11 @@ def test_pyramidinfer_bytes_follow_its_schedule(tiny, tiny_engine):
     assert policy.ratio(0) == 1.0 and policy.ratio(L) == pytest.approx(d)
 
 
-PEERS = ["pop", "swiftkv", "fastkv", "specprefill", "gemfilter", "snapkv", "streamingllm",
-         "h2o", "pyramidinfer", "speed:lcut=4", "speed:lcut=4,anchors=none"]  # fmt: skip
+# every method at its defaults, plus SPEED without its BoS anchor
+DEFAULTS = [*method_names(), "speed:anchors=none"]
 
 
-@pytest.mark.parametrize("spec", PEERS)
+@pytest.mark.parametrize("spec", DEFAULTS)
 @pytest.mark.parametrize("n", [1, 2, 9, 40])
 def test_short_prompts_generate_at_default_settings(tiny, tiny_engine, spec, n):
     # prompts no longer than a method's observation window or budget (chat-sized questions)

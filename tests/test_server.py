@@ -315,7 +315,7 @@ LONG = "word " * 600  # more than the test server's 512-token prompt limit
         ("/v1/chat/completions", _chat_body(speedkv={"method": "nosuch"}), 400,
          "speedkv.method", "unknown method"),
         ("/v1/chat/completions", _chat_body(speedkv={"method": "specprefill:speculator=/tmp"}),
-         400, "speedkv.method", "speculator=self"),
+         400, "speedkv.method", "only use the served model"),
         ("/v1/chat/completions", _chat_body(messages=[]), 400, "messages", "at least 1"),
         ("/v1/chat/completions", _chat_body(messages=[{"role": "user", "content": LONG}]), 400,
          "messages", "at most 512"),

@@ -5,6 +5,8 @@ from speedkv.core.spec import split_spec
 from speedkv.errors import UserError
 from speedkv.hf.backbone import ModelShape
 
+from helpers import declared_degenerate_specs, fill_spec
+
 SHAPE = ModelShape("llama", 30, 576, 9, 3, 64, 1536, 49152, 8192)
 
 
@@ -26,6 +28,17 @@ def test_canonical_spec_lists_every_resolved_option():
     # the canonical form parses back to itself
     canon = make_policy("speed:lcut=26", SHAPE).spec()
     assert make_policy(canon, SHAPE).spec() == canon
+
+
+@pytest.mark.parametrize("name", method_names())
+def test_canonical_spec_parses_back_to_itself_for_every_method(name):
+    # the default, and every declared degenerate setting (which equal full only while the
+    # canonical form keeps them as they are)
+    templates = (name, *declared_degenerate_specs(name))
+    for spec in (fill_spec(t, SHAPE.num_layers, 88) for t in templates):
+        canon = make_policy(spec, SHAPE).spec()
+        assert canon.split(":")[0] == name
+        assert make_policy(canon, SHAPE).spec() == canon, spec
 
 
 def test_registry_knows_full_and_speed():

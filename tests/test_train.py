@@ -10,17 +10,12 @@ import sys
 import pytest
 import torch
 
+from speedkv.analysis.dense import speed_hidden
 from speedkv.core.engine import Engine
 from speedkv.core.registry import make_policy
 from speedkv.errors import UserError
 from speedkv.hf.loading import LoadedModel
-from speedkv.train.forward import (
-    SpeedObjective,
-    example_loss,
-    response_logits,
-    speed_hidden,
-    visibility_for,
-)
+from speedkv.train.forward import SpeedObjective, example_loss, response_logits, visibility_for
 
 from conftest import random_prompt
 
@@ -161,19 +156,7 @@ def test_only_full_and_speed_can_be_trained(tiny):
     assert speed.spec == "speed:lcut=2,anchors=sink:3,deep=header,selfonly=false"
 
 
-# -- data -------------------------------------------------------------------------------------
-@pytest.fixture(scope="session")
-def smol_tokenizer():
-    from transformers import AutoTokenizer
-
-    from speedkv.hf.loading import EMBEDDED, convert_gguf
-
-    parts = EMBEDDED["smollm2-135m"].part_paths()
-    if parts is None:
-        pytest.skip("the embedded SmolLM2 package is not installed")
-    return AutoTokenizer.from_pretrained(convert_gguf(parts[0], progress=False))
-
-
+# -- data (smol_tokenizer: conftest) ------------------------------------------------------------
 def test_mix_spec_parsing():
     from speedkv.train.data import DEFAULT_WEIGHTS, parse_mix
 
@@ -196,9 +179,9 @@ def test_mix_spec_parsing():
 
 
 def test_builtin_mix_is_seeded_fits_and_uses_training_essays_only(smol_tokenizer):
+    from speedkv.prompts.builders import TextSource
     from speedkv.prompts.haystack import essays, sentences, split_names
     from speedkv.train.data import DEFAULT_WEIGHTS, build_mix, tokenize_all
-    from speedkv.train.tasks import TextSource
 
     def answer(conversations):
         return [("An answer.", True) for _ in conversations]
@@ -267,8 +250,10 @@ def test_adapter_method_mismatch_warns_and_shape_mismatch_refuses(tiny, tmp_path
     (tmp_path / INFO_NAME).write_text(json.dumps(record))
     assert read_adapter_info(tmp_path)["method"] == spec
     info = read_adapter_info(tmp_path)
-    assert method_mismatch(info, "speed:lcut=3", tiny.shape) is None  # the same, spelt shorter
-    assert f"trained for '{spec}' but runs with 'full'" in method_mismatch(info, "full", tiny.shape)
+    shorter = make_policy("speed:lcut=3", tiny.shape)
+    assert method_mismatch(info, shorter) is None  # the same, spelt shorter
+    full = make_policy("full", tiny.shape)
+    assert f"trained for '{spec}' but runs with 'full'" in method_mismatch(info, full)
     merged = apply_adapter(tiny, tmp_path)
     assert merged.hf_model is not tiny.hf_model
     (tmp_path / INFO_NAME).write_text(json.dumps({**record, "model_shape": {"num_layers": 99}}))

@@ -9,7 +9,7 @@ the tools and faces built on them.
 
 from speedkv import methods  # noqa: F401  (importing the package registers every method)
 from speedkv.core.engine import Engine, Generation, Request
-from speedkv.core.registry import make_policy, method_names
+from speedkv.core.registry import MethodSpec, make_policy, method_names, parse_spec
 from speedkv.core.sampling import SamplingParams
 from speedkv.errors import UserError
 from speedkv.hf.loading import load_model
@@ -18,6 +18,7 @@ from speedkv.version import __version__
 __all__ = [
     "Engine",
     "Generation",
+    "MethodSpec",
     "Request",
     "SamplingParams",
     "UserError",
@@ -25,4 +26,5 @@ __all__ = [
     "load_model",
     "make_policy",
     "method_names",
+    "parse_spec",
 ]

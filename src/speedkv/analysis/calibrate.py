@@ -17,6 +17,8 @@ from tqdm import tqdm
 from speedkv.core.engine import Engine
 from speedkv.core.registry import make_policy
 from speedkv.errors import UserError
+from speedkv.prompts.builders import passage_prompt
+from speedkv.prompts.haystack import sentence_pool, sentence_tokens
 
 
 @dataclass
@@ -78,20 +80,14 @@ def calibrate_tsp(
 def default_prompts(tokenizer, n: int, length: int) -> list[list[int]]:
     """Built-in calibration prompts of about `length` tokens: passages of the calibration
     essays (never used by evaluation or training) with a request to summarise, through the
-    chat template."""
-    from speedkv.prompts.haystack import essays, sentences, split_names
-
-    parts = [s for name in split_names("calib") for s in sentences(essays()[name])]
+    chat template. Each passage starts where the previous one stopped."""
+    parts = sentence_pool(split="calib")
     prompts, start = [], 0
     for _ in range(n):
         chunk, count = [], 0
-        while start < len(parts) and count < length - 24:
+        while start < len(parts) and count < length - 24:  # room for the template
             chunk.append(parts[start])
-            count += len(tokenizer(" " + parts[start], add_special_tokens=False)["input_ids"])
+            count += sentence_tokens(tokenizer, parts[start])
             start += 1
-        content = " ".join(chunk) + "\n\nSummarise the passage above."
-        templated = tokenizer.apply_chat_template(
-            [{"role": "user", "content": content}], tokenize=False, add_generation_prompt=True
-        )
-        prompts.append(tokenizer(templated, add_special_tokens=False)["input_ids"])
+        prompts.append(passage_prompt(tokenizer, " ".join(chunk), "Summarise the passage above."))
     return prompts

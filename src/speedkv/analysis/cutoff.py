@@ -11,7 +11,7 @@ One pass serves every cutoff. In SPEED's dense form the lower `c` layers of cuto
 exactly full attention's first `c` layers over all positions, so the full model runs once,
 keeping, for every layer, the residual stream entering it at the full-depth positions (anchors,
 the deep suffix, the continuation). Cutoff `c` then only runs layers c..L-1 on those few rows,
-causal among themselves with their original positions, as `speedkv.dense` does. The cost is
+visible to each other as `SpeedRule` says, as the dense reference does. The cost is
 one forward over P + K tokens plus, per layer, one batched call over A + D + K rows for every
 cutoff at or below it, instead of about L / 2 full forwards.
 """
@@ -27,10 +27,13 @@ import torch
 import torch.nn.functional as F
 from tqdm import tqdm
 
-from speedkv.analysis.dense import full_depth_positions, speed_dense_forward
+from speedkv.analysis.dense import speed_hidden
 from speedkv.core.flops import decode_flops, prefill_flops
 from speedkv.errors import UserError
 from speedkv.hf.backbone import Backbone, ModelShape
+from speedkv.methods.speed import SpeedRule
+from speedkv.prompts.builders import raw_passage
+from speedkv.prompts.haystack import sentence_count
 
 # budget metric -> (direction, allowed range text, check of the threshold)
 BUDGETS: dict[str, tuple[str, str, Callable[[float], bool]]] = {
@@ -101,22 +104,17 @@ def smallest_meeting(rows: dict[int, dict], budget: dict[str, float]) -> int | N
 
 
 # -- per-cutoff logits ------------------------------------------------------------------------
-def causal(positions: torch.Tensor) -> torch.Tensor:
-    return (positions[None, :] <= positions[:, None])[None, None]
-
-
 @torch.inference_mode()
 def full_depth_streams(
-    backbone: Backbone, ids: torch.Tensor, prompt_len: int, anchors: int, deep: int
+    backbone: Backbone, ids: torch.Tensor, prompt_len: int, rule: SpeedRule
 ) -> tuple[list[torch.Tensor], torch.Tensor]:
     """One full-attention pass over `ids`; returns the residual stream entering every layer
-    (and leaving the last) at the full-depth positions, [L + 1] x [1, m, H], and those
+    (and leaving the last) at the rule's full-depth positions, [L + 1] x [1, m, H], and those
     positions [m]."""
     ids = ids.reshape(1, -1).to(backbone.device)
-    total = ids.shape[1]
-    pos = torch.arange(total, device=ids.device)
-    keep = full_depth_positions(total, prompt_len, anchors, deep, ids.device)
-    mask = causal(pos)
+    pos = torch.arange(ids.shape[1], device=ids.device)
+    keep = rule.full_depth(pos, prompt_len, rule.deep_tokens(None))
+    mask = rule.visibility(0, pos, pos)[None, None]  # below any cutoff: full attention
     h = backbone.embed(ids)
     streams = [h[:, keep]]
     for layer in range(backbone.shape.num_layers):
@@ -127,14 +125,18 @@ def full_depth_streams(
 
 @torch.inference_mode()
 def upper_layers(
-    backbone: Backbone, streams: list[torch.Tensor], positions: torch.Tensor, cutoffs: list[int]
+    backbone: Backbone,
+    streams: list[torch.Tensor],
+    positions: torch.Tensor,
+    cutoffs: list[int],
+    rule: SpeedRule,
 ) -> dict[int, torch.Tensor]:
     """Every cutoff's final hidden states [m, H] at the full-depth positions: cutoff `c` runs
     layers c..L-1 over the gathered rows, starting from the stream full attention left at
     layer `c`. The cutoffs ride as one batch: at layer l every cutoff <= l goes through it in
     a single call (L calls in all, not about L^2 / 2)."""
     L = backbone.shape.num_layers
-    mask = causal(positions)
+    mask = rule.upper_visibility(positions, positions)[None, None]
     out = {cut: streams[L][0] for cut in cutoffs if cut == L}
     batch, members = None, []
     for layer in range(min(cutoffs), L):
@@ -157,8 +159,9 @@ def shared_logits(
 ) -> Iterable[tuple[int, torch.Tensor, torch.Tensor]]:
     """(cutoff, logits [m, vocab], positions [m]) for each cutoff, from one shared pass."""
     cutoffs = list(cutoffs)
-    streams, positions = full_depth_streams(backbone, ids, prompt_len, anchors, deep)
-    finals = upper_layers(backbone, streams, positions, cutoffs)
+    rule = SpeedRule(backbone.shape.num_layers, anchors, deep)
+    streams, positions = full_depth_streams(backbone, ids, prompt_len, rule)
+    finals = upper_layers(backbone, streams, positions, cutoffs, rule)
     del streams
     for cut in cutoffs:
         with torch.inference_mode():
@@ -175,14 +178,14 @@ def separate_logits(
     anchors: int = 1,
     deep: int = 1,
 ) -> Iterable[tuple[int, torch.Tensor, torch.Tensor]]:
-    """The same, evaluating every cutoff on its own with `speed_dense_forward` (reference)."""
-    L = backbone.shape.num_layers
-    keep = full_depth_positions(ids.numel(), prompt_len, anchors, deep)
+    """The same, evaluating every cutoff on its own with the dense reference."""
+    rule = SpeedRule(backbone.shape.num_layers, anchors, deep)
     for cut in cutoffs:
-        logits, positions = speed_dense_forward(backbone, ids, prompt_len, cut, anchors, deep)
-        if cut == L:  # the ordinary forward returns every position
-            logits, positions = logits[keep.to(logits.device)], positions[keep.to(logits.device)]
-        yield cut, logits, positions
+        h, positions = speed_hidden(backbone, ids, prompt_len, rule.at(cut))
+        logits = backbone.logits(h)
+        # the ordinary forward (cut == L) returns every position: keep the full-depth ones
+        keep = rule.full_depth(positions, prompt_len, deep)
+        yield cut, logits[keep], positions[keep]
 
 
 # -- fidelity ---------------------------------------------------------------------------------
@@ -302,19 +305,9 @@ def calib_passages(
 ) -> list[list[int]]:
     """`n` passages of exactly prompt_len + new_tokens tokens of raw essay text from `split`
     (calibration by default: never used for evaluation or training), spread over its text."""
-    from speedkv.prompts.haystack import essays, sentences, split_names
-    from speedkv.prompts.haystack import haystack_text as passage
-
+    count = sentence_count(split)
     total = prompt_len + new_tokens
-    pool = sum(len(sentences(essays()[name])) for name in split_names(split))
-    out = []
-    for i in range(n):
-        text = passage(tokenizer, total + 64, split=split, start=i * pool // n)
-        ids = tokenizer(text, add_special_tokens=True)["input_ids"][:total]
-        if len(ids) < total:
-            raise UserError(f"the {split} essays are too short for {total}-token passages")
-        out.append(list(ids))
-    return out
+    return [raw_passage(tokenizer, total, split, i * count // n) for i in range(n)]
 
 
 # -- cost model -------------------------------------------------------------------------------

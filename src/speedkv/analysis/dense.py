@@ -2,9 +2,9 @@
 
 Lower layers (`< lcut`) see every earlier position; upper layers run only on the full-depth
 positions (anchors, the deep suffix, and everything after the prompt), gathered with their
-original position ids and causal among themselves. This is the reference the incremental
-engine is checked against, and the teacher-forcing forward SPEED-aware training uses: it
-shares no attention or cache code with the engine.
+original position ids and visible to each other as `SpeedRule` says. This is the reference
+the incremental engine is checked against, and the teacher-forcing forward SPEED-aware
+training uses: it shares no attention or cache code with the engine.
 """
 
 from __future__ import annotations
@@ -12,14 +12,40 @@ from __future__ import annotations
 import torch
 
 from speedkv.hf.backbone import Backbone
+from speedkv.methods.speed import SpeedRule
 
 
-def full_depth_positions(
-    total: int, prompt_len: int, anchors: int, deep: int, device=None
+def speed_hidden(
+    backbone: Backbone,
+    ids: torch.Tensor,
+    prompt_len: int,
+    rule: SpeedRule,
+    header_tokens: int | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Final-normed hidden states [m, H] at every full-depth position of `ids` ([T] or
+    [1, T]) under `rule`, and those positions [m]. With lcut == L every position is full
+    depth and this is the model's ordinary forward."""
+    ids = ids.reshape(1, -1).to(backbone.device)
+    pos = torch.arange(ids.shape[1], device=ids.device)
+    layers = backbone.shape.num_layers
+    h = _layers(backbone, rule, range(min(rule.lcut, layers)), backbone.embed(ids), pos)
+    if rule.lcut < layers:
+        keep = rule.full_depth(pos, prompt_len, rule.deep_tokens(header_tokens))
+        h, pos = h[:, keep], pos[keep]
+        h = _layers(backbone, rule, range(rule.lcut, layers), h, pos)
+    return backbone.final_norm(h)[0], pos
+
+
+def _layers(
+    backbone: Backbone, rule: SpeedRule, layers: range, h: torch.Tensor, pos: torch.Tensor
 ) -> torch.Tensor:
-    """Bool [total]: anchors, the last `deep` prompt tokens, and every later position."""
-    pos = torch.arange(total, device=device)
-    return (pos < anchors) | (pos >= prompt_len - deep)
+    """Run `layers` (all on one side of the cutoff, so one mask serves them) over h."""
+    if not layers:
+        return h
+    mask = rule.visibility(layers.start, pos, pos)[None, None]
+    for layer in layers:
+        h = backbone.hf_layer(layer, h, mask, pos)
+    return h
 
 
 def speed_dense_forward(
@@ -31,26 +57,7 @@ def speed_dense_forward(
     deep: int = 1,
     selfonly: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Logits at every full-depth position of `ids` ([T] or [1, T]) under SPEED.
-
-    Returns (logits [m, vocab] float32, positions [m]); with lcut == L every position is
-    full depth and this is the model's ordinary forward.
-    """
-    ids = ids.reshape(1, -1).to(backbone.device)
-    total = ids.shape[1]
-    pos = torch.arange(total, device=ids.device)
-    h = backbone.embed(ids)
-    lower = (pos[None, :] <= pos[:, None])[None, None]
-    for layer in range(min(lcut, backbone.shape.num_layers)):
-        h = backbone.hf_layer(layer, h, lower, pos)
-    if lcut < backbone.shape.num_layers:
-        keep = full_depth_positions(total, prompt_len, anchors, deep, ids.device)
-        h, pos = h[:, keep], pos[keep]
-        mask = pos[None, :] <= pos[:, None]
-        if selfonly:
-            mask &= (
-                (pos[None, :] == pos[:, None]) | (pos[None, :] < anchors) | (pos[:, None] < anchors)
-            )
-        for layer in range(lcut, backbone.shape.num_layers):
-            h = backbone.hf_layer(layer, h, mask[None, None], pos)
-    return backbone.logits(backbone.final_norm(h))[0], pos
+    """Logits (float32) [m, vocab] at every full-depth position of `ids` under SPEED with
+    these options, and those positions [m]: `speed_hidden` followed by the LM head."""
+    h, pos = speed_hidden(backbone, ids, prompt_len, SpeedRule(lcut, anchors, deep, selfonly))
+    return backbone.logits(h), pos

@@ -18,7 +18,8 @@ During greedy decode, per layer and per generated token:
 The residual stream is computed by transformers' own layers (`Backbone.hf_layer`), so the
 diagnostic shares no attention code with the engine; the attention weights are recomputed
 from the layer's own queries and keys, for the generated rows only. A trace under SPEED
-visibility gathers the full-depth rows at `lcut`, as `speedkv.dense` does.
+visibility follows `SpeedRule`: it gathers the full-depth rows at `lcut`, as the dense
+reference does.
 """
 
 from __future__ import annotations
@@ -29,11 +30,15 @@ from dataclasses import dataclass
 import torch
 from tqdm import tqdm
 
-from speedkv.analysis.dense import full_depth_positions
 from speedkv.core.engine import Engine, Request
 from speedkv.core.registry import make_policy
 from speedkv.core.sampling import SamplingParams
 from speedkv.hf.backbone import Backbone
+from speedkv.hf.text import encode_prompt
+from speedkv.methods.scoring import attention_probs
+from speedkv.methods.speed import SpeedRule
+from speedkv.prompts.builders import passage_prompt
+from speedkv.prompts.haystack import haystack_text, sentence_count
 
 CATEGORIES = ("prefill", "prompt_end", "bos", "decode", "self")
 
@@ -51,10 +56,6 @@ class PromptTrace:
     logits: torch.Tensor  # [steps, vocab] float32 at the generated positions
 
 
-def causal(positions: torch.Tensor) -> torch.Tensor:
-    return positions[None, :] <= positions[:, None]
-
-
 def attention_weights(
     backbone: Backbone, layer: int, h: torch.Tensor, positions: torch.Tensor, rows: torch.Tensor
 ) -> torch.Tensor:
@@ -64,11 +65,7 @@ def attention_weights(
     cos, sin = backbone.rope(positions)
     k, _ = backbone.kv(layer, x, cos, sin)
     q = backbone.q(layer, x[rows], cos[rows], sin[rows])
-    group = q.shape[0] // k.shape[0]
-    k = k.float().repeat_interleave(group, 0)
-    scores = torch.matmul(q.float(), k.transpose(1, 2)) * backbone.scaling
-    visible = positions[None, :] <= positions[rows, None]
-    return torch.softmax(scores.masked_fill(~visible, float("-inf")), dim=-1)
+    return attention_probs(q, positions[rows], k, positions)
 
 
 def key_categories(q_pos: torch.Tensor, k_pos: torch.Tensor, prompt_len: int) -> dict:
@@ -141,15 +138,15 @@ def trace(
     """
     num_layers = backbone.shape.num_layers
     lcut = num_layers if lcut is None else lcut
+    rule = SpeedRule(lcut, anchors, deep)
     ids = torch.as_tensor(ids, dtype=torch.long, device=backbone.device).flatten()
-    total = ids.numel()
-    pos = torch.arange(total, device=ids.device)
+    pos = torch.arange(ids.numel(), device=ids.device)
     h = backbone.embed(ids[None])
     mass = {c: [] for c in CATEGORIES}
     entropy, states = [], []
     for layer in range(num_layers):
         if layer == lcut:
-            keep = full_depth_positions(total, prompt_len, anchors, deep, ids.device)
+            keep = rule.full_depth(pos, prompt_len, deep)
             h, pos = h[:, keep], pos[keep]
         rows = (pos >= prompt_len).nonzero()[:, 0]
         states.append(h[0, rows].float())
@@ -158,7 +155,7 @@ def trace(
         for name, where in groups.items():
             mass[name].append((probs * where).sum(-1).mean(0))
         entropy.append(prompt_entropy(probs, groups["prefill"]).mean(0))
-        h = backbone.hf_layer(layer, h, causal(pos)[None, None], pos)
+        h = backbone.hf_layer(layer, h, rule.visibility(layer, pos, pos)[None, None], pos)
     states.append(h[0, rows].float())
     stack = torch.stack(states).cpu()
     return PromptTrace(
@@ -258,6 +255,8 @@ def diagnose(
     """Run every prompt greedily with full attention and with SPEED at `lcut`, trace each
     continuation under its own visibility, and summarise both. Returns a JSON-ready dict."""
     speed = make_policy(f"speed:lcut={lcut},anchors={anchors}", engine.shape)
+    rule = SpeedRule.of(speed)
+    deep = rule.deep_tokens(None)  # the spec leaves deep at its default
     variants = {"full": ("full", None), "speed": (speed.spec(), lcut)}
     L = engine.shape.num_layers
     specs = [spec for spec, _ in variants.values()]
@@ -271,7 +270,7 @@ def diagnose(
             tokens = continuations[(index, spec)]
             generated[name].append(len(tokens))
             if tokens:
-                t = trace(engine.backbone, ids + tokens, len(ids), cut, speed.num_anchors, 1)
+                t = trace(engine.backbone, ids + tokens, len(ids), cut, rule.anchors, deep)
                 sums[name].add(t)
                 # sanity: the dense trace predicts the engine's later greedy tokens
                 predicted = t.logits[:-1].argmax(-1)
@@ -353,19 +352,14 @@ def default_prompts(tokenizer, n: int, doc_tokens: int) -> list[list[int]]:
     """`n` built-in chat prompts, alternating a short instruction and a question about a
     passage of about `doc_tokens` tokens of the calibration essays (never used by evaluation
     or training). Nothing is downloaded."""
-    from speedkv.hf.text import encode_prompt
-    from speedkv.prompts.haystack import essays, sentences, split_names
-    from speedkv.prompts.haystack import haystack_text as passage
-
-    pool = sum(len(sentences(essays()[name])) for name in split_names("calib"))
+    pool = sentence_count("calib")
     prompts = []
     for i in range(n):
+        k = i // 2
         if i % 2 == 0:
-            text = INSTRUCTIONS[(i // 2) % len(INSTRUCTIONS)]
-        else:
-            k = i // 2
-            start = (k * 97) % pool  # spread passages over the calibration text
-            doc = passage(tokenizer, doc_tokens, split="calib", start=start)
-            text = f"{doc}\n\n{DOC_QUESTIONS[k % len(DOC_QUESTIONS)]}"
-        prompts.append(encode_prompt(tokenizer, text).ids)
+            prompts.append(encode_prompt(tokenizer, INSTRUCTIONS[k % len(INSTRUCTIONS)]).ids)
+            continue
+        start = (k * 97) % pool  # spread passages over the calibration text
+        doc = haystack_text(tokenizer, doc_tokens, split="calib", start=start)
+        prompts.append(passage_prompt(tokenizer, doc, DOC_QUESTIONS[k % len(DOC_QUESTIONS)]))
     return prompts

@@ -32,7 +32,7 @@ from speedkv.core.sampling import SamplingParams
 from speedkv.errors import UserError
 from speedkv.hf.loading import LoadedModel
 from speedkv.log import log
-from speedkv.prompts.haystack import haystack_text
+from speedkv.prompts.builders import exact_chat_prompt
 
 METRICS = (
     "ttft_s",
@@ -73,25 +73,6 @@ def rotated(methods: list[str], repeat: int) -> list[str]:
     return methods[shift:] + methods[:shift]
 
 
-def bench_prompt(tokenizer, length: int) -> list[int]:
-    """Exactly `length` ids: the chat template around essay text, so position 0 is the
-    template's first token (the BoS anchor) and the prompt ends with the generation header."""
-    marker = "\u0000"
-    templated = tokenizer.apply_chat_template(
-        [{"role": "user", "content": marker}], tokenize=False, add_generation_prompt=True
-    )
-    before, _, after = templated.partition(marker)
-    head = tokenizer(before, add_special_tokens=False)["input_ids"]
-    tail = tokenizer(after, add_special_tokens=False)["input_ids"]
-    body_len = length - len(head) - len(tail)
-    if body_len < 1:
-        raise UserError(
-            f"length {length} is too short for the chat template ({len(head) + len(tail)} tokens)"
-        )
-    body = tokenizer(haystack_text(tokenizer, body_len + 64), add_special_tokens=False)["input_ids"]
-    return head + body[:body_len] + tail
-
-
 class Bench:
     def __init__(self, model: LoadedModel, config: BenchConfig, out: Path):
         self.model, self.config, self.out = model, config, out
@@ -113,7 +94,7 @@ class Bench:
             raise UserError(f"repeats must be at least 1, got {config.repeats}")
         if config.new_tokens < 2:
             raise UserError(
-                f"new-tokens must be at least 2 (TPOT needs two), got {config.new_tokens}"
+                f"max-new-tokens must be at least 2 (TPOT needs two), got {config.new_tokens}"
             )
 
     # -- one measurement -------------------------------------------------------------------
@@ -168,7 +149,7 @@ class Bench:
         if not resume:
             runs_path.write_text(json.dumps({"header": header}) + "\n")
         done = {(r["repeat"], r["length"], r["method"]) for r in runs}
-        prompts = {n: bench_prompt(self.model.tokenizer, n) for n in cfg.lengths}
+        prompts = {n: exact_chat_prompt(self.model.tokenizer, n) for n in cfg.lengths}
         todo = [
             (rep, n, m)
             for rep in range(cfg.repeats)
@@ -219,7 +200,7 @@ class Bench:
             found = lines[0].get("header") if lines else "none"
             raise UserError(
                 f"{path} was measured with other settings ({found}); "
-                "use another --out or the same model, dtype and new-tokens"
+                "use another --out or the same model, dtype and max-new-tokens"
             )
         return [
             r

@@ -5,80 +5,113 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Annotated
 
 import typer
 
-from speedkv.cli.common import MODEL_HELP, check_adapter, load
+from speedkv.cli.common import load, read_prompt_lines, set_threads
+from speedkv.cli.options import (
+    Adapter,
+    AsJson,
+    ContinuationTokens,
+    Device,
+    Dtype,
+    MaxNewTokens,
+    Model,
+    OutDir,
+    PromptsFile,
+    PromptTokens,
+    Samples,
+    Threads,
+    count_option,
+    parsed_option,
+)
 from speedkv.errors import UserError
 from speedkv.log import log
 
 if TYPE_CHECKING:
     from speedkv.hf.loading import LoadedModel
 
-ANCHORS_HELP = "SPEED anchors: bos, none or sink:K."
 
+def checked_anchors(text: str) -> str:
+    from speedkv.methods.speed import parse_anchors
+
+    parse_anchors(text)
+    return text
+
+
+Anchors = Annotated[
+    str,
+    parsed_option(
+        "--anchors",
+        parse=checked_anchors,
+        metavar="ANCHORS",
+        help="SPEED anchors: bos, none or sink:K.",
+    ),
+]
 
 commands = typer.Typer()
 
 
 @commands.command("diagnose")
 def diagnose_command(
-    model: str = typer.Option("smollm2-135m", "--model", "-m", help=MODEL_HELP),
-    prompts_file: Path | None = typer.Option(
-        None, "--prompts", help="Prompts, one per line (default: built-in prompts)."
-    ),
-    n: int | None = typer.Option(
-        None, "--n", help="Prompts to use (default: 8 built-in, or every line of --prompts)."
-    ),
-    new_tokens: int = typer.Option(32, "--new-tokens", help="Greedy tokens per prompt."),
-    doc_tokens: int = typer.Option(
-        512, "--doc-tokens", help="Passage length of the built-in document questions."
-    ),
-    lcut: int | None = typer.Option(
-        None, "--lcut", help="SPEED cutoff for the second heatmap (default round(0.75 L))."
-    ),
-    anchors: str = typer.Option("bos", "--anchors", help=ANCHORS_HELP),
-    out: Path = typer.Option(Path("runs/diagnose"), "--out", help="Directory for results."),
-    dtype: str = typer.Option("auto", "--dtype", help="auto, float32 or bfloat16."),
-    as_json: bool = typer.Option(False, "--json", help="Print diagnosis.json to stdout."),
+    model: Model = "smollm2-135m",
+    prompts_file: PromptsFile = None,
+    samples: Samples = None,
+    max_new_tokens: MaxNewTokens = 32,
+    doc_tokens: Annotated[
+        int,
+        count_option(
+            "--doc-tokens",
+            least=16,
+            help="Passage length of the built-in document questions (half the built-in "
+            "prompts; the others are short instructions).",
+        ),
+    ] = 512,
+    lcut: Annotated[
+        int | None,
+        typer.Option("--lcut", help="SPEED cutoff for the second heatmap (default round(0.75 L))."),
+    ] = None,
+    anchors: Anchors = "bos",
+    out: OutDir = Path("runs/diagnose"),
+    dtype: Dtype = "auto",
+    device: Device = "auto",
+    threads: Threads = 0,
+    as_json: AsJson = False,
 ) -> None:
     """Layer-wise cutoff diagnostic: where generated tokens attend (prefill, BoS, earlier
     tokens), how selective their prompt attention is, and where the residual trajectory
-    straightens, per layer, with full attention and with SPEED; writes figures and JSON."""
+    straightens, per layer, with full attention and with SPEED; writes figures and JSON.
+    Runs on 8 built-in prompts, or every line of --prompts-file, unless --samples says how
+    many."""
     from speedkv.analysis.diagnose import default_prompts, diagnose
     from speedkv.analysis.diagnose_plots import write_figures
     from speedkv.core.engine import Engine
     from speedkv.hf.text import encode_prompt
-    from speedkv.methods.speed import parse_anchors
 
-    if n is not None and n < 1:
-        raise UserError(f"--n must be at least 1, got {n}")
-    if new_tokens < 3:
+    if max_new_tokens < 3:
         raise UserError(
-            f"--new-tokens must be at least 3 (curvature needs three), got {new_tokens}"
+            f"--max-new-tokens must be at least 3 (curvature needs three), got {max_new_tokens}"
         )
-    if doc_tokens < 16:
-        raise UserError(f"--doc-tokens must be at least 16, got {doc_tokens}")
-    parse_anchors(anchors)
     lines = read_prompt_lines(prompts_file) if prompts_file else None
-    loaded = load(model, dtype)
+    set_threads(threads)
+    loaded = load(model, dtype, device)
     shape = loaded.shape
     lcut = round(0.75 * shape.num_layers) if lcut is None else lcut
     if not 0 <= lcut < shape.num_layers:
         raise UserError(f"--lcut must be between 0 and {shape.num_layers - 1}, got {lcut}")
     if lines is not None:
-        prompts = [encode_prompt(loaded.tokenizer, line).ids for line in lines[:n]]
+        prompts = [encode_prompt(loaded.tokenizer, line).ids for line in lines[:samples]]
     else:
-        prompts = default_prompts(loaded.tokenizer, n or 8, doc_tokens)
-    longest = max(len(p) for p in prompts) + new_tokens
+        prompts = default_prompts(loaded.tokenizer, samples or 8, doc_tokens)
+    longest = max(len(p) for p in prompts) + max_new_tokens
     if longest > shape.max_positions:
         raise UserError(
-            f"a prompt plus {new_tokens} new tokens needs {longest} positions, more than the "
-            f"model's context of {shape.max_positions}"
+            f"a prompt plus {max_new_tokens} new tokens needs {longest} positions, more than "
+            f"the model's context of {shape.max_positions}"
         )
     log(f"{len(prompts)} prompts ({min(map(len, prompts))}-{max(map(len, prompts))} tokens)")
-    result = diagnose(Engine(loaded), prompts, new_tokens, lcut, anchors)
+    result = diagnose(Engine(loaded), prompts, max_new_tokens, lcut, anchors)
     result["model"] = loaded.name
     result["dtype"] = loaded.dtype_name
     out.mkdir(parents=True, exist_ok=True)
@@ -116,70 +149,58 @@ def diagnosis_table(result: dict) -> str:
     return "\n".join(lines)
 
 
-def read_prompt_lines(path: Path) -> list[str]:
-    """Non-empty lines of a UTF-8 text file, one prompt each."""
-    if not path.is_file():
-        raise UserError(f"prompt file '{path}' does not exist")
-    try:
-        text = path.read_text(encoding="utf-8")
-    except UnicodeDecodeError:
-        raise UserError(f"prompt file '{path}' is not UTF-8 text (one prompt per line)") from None
-    lines = [line.strip() for line in text.splitlines() if line.strip()]
-    if not lines:
-        raise UserError(f"prompt file '{path}' has no prompts (one per line)")
-    return lines
-
-
 @commands.command("choose-lcut")
 def choose_lcut_command(
-    model: str = typer.Option("smollm2-135m", "--model", "-m", help=MODEL_HELP),
-    budget: str = typer.Option(
-        "agreement=0.95",
-        "--budget",
-        help="Fidelity to keep: agreement=0.95 (top-1 agreement with full, at least), "
-        "ppl_ratio=1.05 or kl=0.05 (at most); join several with commas.",
-    ),
-    candidates: str | None = typer.Option(
-        None, "--candidates", help="Cutoffs to try: '0..L' (default), '16..30' or '18,20,22'."
-    ),
-    anchors: str = typer.Option("bos", "--anchors", help=ANCHORS_HELP),
-    deep: int = typer.Option(1, "--deep", help="Last prompt tokens kept at full depth."),
-    n: int = typer.Option(4, "--n", help="Calibration passages."),
-    prompt_tokens: int = typer.Option(1024, "--prompt-tokens", help="Prompt length P."),
-    new_tokens: int = typer.Option(
-        64, "--new-tokens", help="Teacher-forced continuation tokens K per passage."
-    ),
-    context: int | None = typer.Option(
-        None, "--context", help="Prompt length for the expected savings (default: the model's)."
-    ),
-    adapter: Path | None = typer.Option(
-        None,
-        "--adapter",
-        help="SPEED-aware LoRA adapter from `speedkv train`: cutoffs run with it and are "
-        "compared with the base model's full attention.",
-    ),
-    compare_separate: bool = typer.Option(
-        False,
-        "--compare-separate",
-        help="Also evaluate every cutoff on its own and report the time ratio (slow).",
-    ),
-    dtype: str = typer.Option("auto", "--dtype", help="auto, float32 or bfloat16."),
-    as_json: bool = typer.Option(False, "--json", help="Print one JSON object."),
+    model: Model = "smollm2-135m",
+    budget: Annotated[
+        str,
+        typer.Option(
+            "--budget",
+            help="Fidelity to keep: agreement=0.95 (top-1 agreement with full, at least), "
+            "ppl_ratio=1.05 or kl=0.05 (at most); join several with commas.",
+        ),
+    ] = "agreement=0.95",
+    candidates: Annotated[
+        str | None,
+        typer.Option(
+            "--candidates", help="Cutoffs to try: '0..L' (default), '16..30' or '18,20,22'."
+        ),
+    ] = None,
+    anchors: Anchors = "bos",
+    deep: Annotated[int, typer.Option("--deep", help="Last prompt tokens kept at full depth.")] = 1,
+    samples: Samples = 4,
+    prompt_tokens: PromptTokens = 1024,
+    continuation_tokens: ContinuationTokens = 64,
+    context: Annotated[
+        int | None,
+        typer.Option(
+            "--context", help="Prompt length for the expected savings (default: the model's)."
+        ),
+    ] = None,
+    adapter: Adapter = None,
+    compare_separate: Annotated[
+        bool,
+        typer.Option(
+            "--compare-separate",
+            help="Also evaluate every cutoff on its own and report the time ratio (slow).",
+        ),
+    ] = False,
+    dtype: Dtype = "auto",
+    device: Device = "auto",
+    threads: Threads = 0,
+    as_json: AsJson = False,
 ) -> None:
     """Choose SPEED's cutoff: measure fidelity against full attention (top-1 agreement,
     perplexity ratio, KL) at every candidate cutoff in one shared pass over calibration text,
-    and print the smallest cutoff meeting the budget with its expected TTFT / KV savings."""
+    and print the smallest cutoff meeting the budget with its expected TTFT / KV savings.
+    With --adapter (a SPEED-aware LoRA from `speedkv train`), cutoffs run with it and are
+    compared with the base model's full attention."""
     from speedkv.analysis.cutoff import calib_passages, parse_budget, parse_candidates
     from speedkv.core.registry import make_policy
     from speedkv.methods.speed import parse_anchors
 
     wanted = parse_budget(budget)
     num_anchors = parse_anchors(anchors)
-    check_adapter(adapter)
-    if n < 1:
-        raise UserError(f"--n must be at least 1, got {n}")
-    if new_tokens < 1:
-        raise UserError(f"--new-tokens must be at least 1, got {new_tokens}")
     if deep < 1 or prompt_tokens < num_anchors + deep + 1:
         raise UserError(
             f"--prompt-tokens ({prompt_tokens}) must exceed anchors + deep tokens, and "
@@ -187,16 +208,20 @@ def choose_lcut_command(
         )
     if context is not None and context < num_anchors + deep + 1:
         raise UserError(f"--context must exceed anchors + deep tokens, got {context}")
-    loaded = load(model, dtype)
+    set_threads(threads)
+    loaded = load(model, dtype, device)
     shape = loaded.shape
     cuts = parse_candidates(candidates or f"0..{shape.num_layers}", shape.num_layers)
-    if prompt_tokens + new_tokens > shape.max_positions:
+    if prompt_tokens + continuation_tokens > shape.max_positions:
         raise UserError(
-            f"--prompt-tokens + --new-tokens must fit the model's context of "
-            f"{shape.max_positions}, got {prompt_tokens + new_tokens}"
+            f"--prompt-tokens + --continuation-tokens must fit the model's context of "
+            f"{shape.max_positions}, got {prompt_tokens + continuation_tokens}"
         )
-    passages = calib_passages(loaded.tokenizer, n, prompt_tokens, new_tokens)
-    log(f"{n} calibration passages of {prompt_tokens}+{new_tokens} tokens, {len(cuts)} cutoffs")
+    passages = calib_passages(loaded.tokenizer, samples, prompt_tokens, continuation_tokens)
+    log(
+        f"{samples} calibration passages of {prompt_tokens}+{continuation_tokens} tokens, "
+        f"{len(cuts)} cutoffs"
+    )
     adapted = None
     if adapter is not None:
         from speedkv.hf.adapters import apply_adapter
@@ -312,37 +337,44 @@ def choice_table(result: dict) -> str:
 
 @commands.command("calibrate-tsp")
 def calibrate_tsp_command(
-    model: str = typer.Option("smollm2-135m", "--model", "-m", help=MODEL_HELP),
-    tsp_rate: float = typer.Option(0.2, "--tsp-rate", help="Share of tokens TSP propagates."),
-    max_layer: int | None = typer.Option(
-        None, "--max-layer", help="Latest candidate layer (default L/2)."
-    ),
-    min_layer: int = typer.Option(0, "--min-layer", help="Earliest candidate layer."),
-    tolerance: float = typer.Option(
-        0.0, "--tolerance", help="Pick the earliest layer within this relative margin of the best."
-    ),
-    prompts_file: Path | None = typer.Option(
-        None, "--prompts", help="Calibration prompts, one per line."
-    ),
-    n: int = typer.Option(4, "--n", help="Built-in calibration prompts to use."),
-    length: int = typer.Option(1024, "--length", help="Tokens per built-in prompt."),
-    dtype: str = typer.Option("auto", "--dtype", help="auto, float32 or bfloat16."),
-    as_json: bool = typer.Option(False, "--json", help="Print JSON."),
+    model: Model = "smollm2-135m",
+    tsp_rate: Annotated[
+        float, typer.Option("--tsp-rate", help="Share of tokens TSP propagates.")
+    ] = 0.2,
+    max_layer: Annotated[
+        int | None, typer.Option("--max-layer", help="Latest candidate layer (default L/2).")
+    ] = None,
+    min_layer: Annotated[int, typer.Option("--min-layer", help="Earliest candidate layer.")] = 0,
+    tolerance: Annotated[
+        float,
+        typer.Option(
+            "--tolerance", help="Pick the earliest layer within this relative margin of the best."
+        ),
+    ] = 0.0,
+    prompts_file: PromptsFile = None,
+    samples: Samples = 4,
+    prompt_tokens: PromptTokens = 1024,
+    dtype: Dtype = "auto",
+    device: Device = "auto",
+    threads: Threads = 0,
+    as_json: AsJson = False,
 ) -> None:
     """Choose FastKV's TSP layer: the earliest layer whose final hidden states stay closest to
-    full context (FastKV, Eq. 3); prints every candidate's distance."""
+    full context (FastKV, Eq. 3); prints every candidate's distance. Runs on --samples
+    built-in prompts of --prompt-tokens, or on every line of --prompts-file."""
     from speedkv.analysis.calibrate import calibrate_tsp, default_prompts
     from speedkv.core.engine import Engine
     from speedkv.hf.text import encode_prompt
     from speedkv.methods.scoring import check_budget
 
     check_budget(tsp_rate, "tsp-rate")
-    lines = _read_lines(prompts_file) if prompts_file else None
-    loaded = load(model, dtype)
+    lines = read_prompt_lines(prompts_file) if prompts_file else None
+    set_threads(threads)
+    loaded = load(model, dtype, device)
     if lines is not None:
         prompts = [encode_prompt(loaded.tokenizer, line).ids for line in lines]
     else:
-        prompts = default_prompts(loaded.tokenizer, n, length)
+        prompts = default_prompts(loaded.tokenizer, samples, prompt_tokens)
     result = calibrate_tsp(Engine(loaded), prompts, tsp_rate, max_layer, min_layer, tolerance)
     if as_json:
         print(
@@ -364,12 +396,3 @@ def calibrate_tsp_command(
         mark = "  <- chosen" if layer == result.layer else ("  (best)" if distance == best else "")
         print(f"{layer:>5}  {distance:>10.5f}{mark}")
     print(f"\nTSP layer {result.layer}: use --method '{result.spec()}'")
-
-
-def _read_lines(path: Path) -> list[str]:
-    if not path.is_file():
-        raise UserError(f"prompt file '{path}' does not exist")
-    lines = [line.strip() for line in path.read_text(encoding="utf-8").splitlines() if line.strip()]
-    if not lines:
-        raise UserError(f"prompt file '{path}' has no prompts (one per line)")
-    return lines

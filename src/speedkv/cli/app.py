@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import sys
+from typing import Annotated
 
 import typer
 
@@ -16,8 +17,6 @@ app = typer.Typer(
     no_args_is_help=True,
     pretty_exceptions_enable=False,
     rich_markup_mode="markdown",  # docstrings wrap as paragraphs, not at their line breaks
-    help="SPEED (Shallow Prefill, dEEp Decode) and peer KV-cache methods for long-context "
-    "inference. Method specs look like 'full' or 'speed:lcut=22,anchors=bos'.",
 )
 for group in (generate, demo, bench, evals, analysis, train, serve):
     app.add_typer(group.commands)
@@ -31,12 +30,17 @@ def _print_version(value: bool) -> None:
 
 @app.callback()
 def _root(
-    version: bool = typer.Option(
-        False, "--version", callback=_print_version, is_eager=True, help="Print the version."
-    ),
+    version: Annotated[
+        bool,
+        typer.Option(
+            "--version", callback=_print_version, is_eager=True, help="Print the version and exit."
+        ),
+    ] = False,
 ) -> None:
     """SPEED (Shallow Prefill, dEEp Decode) and peer KV-cache methods for long-context
-    inference. Method specs look like 'full' or 'speed:lcut=22,anchors=bos'."""
+    inference. Method specs look like 'full' or 'speed:lcut=22,anchors=bos'.
+
+    `speedkv COMMAND --help` lists a command's options."""
 
 
 def main() -> None:

@@ -3,70 +3,101 @@
 from __future__ import annotations
 
 import json
+from collections.abc import Sequence
 from pathlib import Path
+from typing import Annotated
 
 import typer
 
-from speedkv.cli.common import MODEL_HELP, check_adapter, command_line, load
+from speedkv.bench.report import HF
+from speedkv.cli.common import command_line, load, set_threads
+from speedkv.cli.options import (
+    METHODS_HELP,
+    Adapter,
+    AsJson,
+    Device,
+    Dtype,
+    Lengths,
+    MaxNewTokens,
+    Model,
+    OutDir,
+    Threads,
+    parsed_option,
+    split_methods,
+)
+from speedkv.core.registry import parse_spec
 from speedkv.errors import UserError
 from speedkv.log import log
+
+
+def parse_bench_methods(text: str) -> list[str]:
+    """Specs checked like every --methods, and 'hf'; kept as written (the config records them)."""
+    return [m if m == HF else parse_spec(m).text for m in split_methods(text)]
+
+
+BenchMethods = Annotated[
+    Sequence[str],
+    parsed_option(
+        "--methods",
+        parse=parse_bench_methods,
+        metavar="SPECS",
+        help=f"{METHODS_HELP} 'hf' is the model's own generate().",
+    ),
+]
 
 commands = typer.Typer()
 
 
 @commands.command()
 def bench(
-    model: str = typer.Option("smollm2-135m", "--model", "-m", help=MODEL_HELP),
-    methods: str = typer.Option(
-        "full;speed:lcut=22,anchors=bos",
-        "--methods",
-        help="Method specs separated by ';'. 'hf' is the model's own generate(); "
-        "full is always added.",
-    ),
-    lengths: str = typer.Option(
-        "1024,2048,4096,8192", "--lengths", help="Prompt lengths in tokens."
-    ),
-    new_tokens: int = typer.Option(128, "--new-tokens", help="Tokens generated per run."),
-    repeats: int = typer.Option(5, "--repeats", help="Measured runs per cell (after one warm-up)."),
-    out: Path = typer.Option(Path("runs/bench"), "--out", help="Directory for results."),
-    dtype: str = typer.Option("auto", "--dtype", help="auto, float32 or bfloat16."),
-    resume: bool = typer.Option(False, "--resume", help="Skip runs already in OUT/runs.jsonl."),
-    readme: Path | None = typer.Option(
-        None, "--readme", help="Also write the markdown report here (images linked relatively)."
-    ),
-    adapter: Path | None = typer.Option(
-        None,
-        "--adapter",
-        help="LoRA adapter directory from `speedkv train`, merged into the model.",
-    ),
-    as_json: bool = typer.Option(False, "--json", help="Print results.json to stdout."),
+    model: Model = "smollm2-135m",
+    methods: BenchMethods = "full;speed:lcut=22,anchors=bos",
+    lengths: Lengths = "1024,2048,4096,8192",
+    max_new_tokens: MaxNewTokens = 128,
+    repeats: Annotated[
+        int, typer.Option("--repeats", help="Measured runs per cell (after one warm-up).")
+    ] = 5,
+    out: OutDir = Path("runs/bench"),
+    resume: Annotated[
+        bool, typer.Option("--resume", help="Skip runs already in OUT/runs.jsonl.")
+    ] = False,
+    readme: Annotated[
+        Path | None,
+        typer.Option(
+            "--readme",
+            metavar="FILE",
+            help="Also write the markdown report here (images linked relatively).",
+        ),
+    ] = None,
+    adapter: Adapter = None,
+    dtype: Dtype = "auto",
+    device: Device = "auto",
+    threads: Threads = 0,
+    as_json: AsJson = False,
 ) -> None:
     """Measure TTFT, TPOT, KV bytes, peak RSS and FLOPs per method and prompt length.
 
     The same run measures this machine's read bandwidth and matmul rate and reports every
-    TTFT and TPOT as a multiple of its hardware limit.
+    TTFT and TPOT as a multiple of its hardware limit. With --adapter the merged weights run:
+    what they cost is the base model's cost.
     """
     from speedkv.bench.runner import Bench, BenchConfig
-    from speedkv.cli.options import parse_lengths, parse_methods
-    from speedkv.core.spec import split_spec
 
+    if max_new_tokens < 2:
+        raise UserError(f"max-new-tokens must be at least 2 (TPOT needs two), got {max_new_tokens}")
+    if repeats < 1:
+        raise UserError(f"repeats must be at least 1, got {repeats}")
     config = BenchConfig(
         model=model,
-        methods=parse_methods(methods),
-        lengths=parse_lengths(lengths),
-        new_tokens=new_tokens,
+        methods=list(methods),
+        lengths=list(lengths),
+        new_tokens=max_new_tokens,
         repeats=repeats,
         dtype=dtype,
         command=command_line(),
     )
-    for spec in config.methods:
-        if spec != "hf":
-            split_spec(spec)
-    if repeats < 1:
-        raise UserError(f"repeats must be at least 1, got {repeats}")
-    check_adapter(adapter)
-    loaded = load(model, dtype, adapter=adapter)  # merged weights: the base model's cost
-    runner = Bench(loaded, config, out)
+    set_threads(threads)
+    runner = Bench(load(model, dtype, device, adapter), config, out)
     result = runner.run(resume=resume)
     if as_json:
         print(json.dumps(result, indent=2))

@@ -1,63 +1,69 @@
-"""What every command shares: help texts, stderr messages, threads, loading a model with an
-optional adapter. Faces import it; it imports the heavy modules only when called."""
+"""What commands do alike once their options are parsed: threads, loading a model with an
+optional adapter, binding a method to it, reading the user's files. Heavy modules are
+imported only when called."""
 
 from __future__ import annotations
 
 import shlex
 import sys
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from speedkv.errors import UserError
 from speedkv.log import log
 
-MODEL_HELP = "Embedded model name (smollm2-135m, qwen2.5-coder-0.5b), HF directory or .gguf file."
-THREADS_HELP = (
-    "CPU threads for torch (0 = torch's default). On a CPU shared with other jobs, 1 is often "
-    "faster than oversubscribed cores."
-)
+if TYPE_CHECKING:
+    from speedkv.core.policy import Policy
+    from speedkv.core.registry import MethodSpec
+    from speedkv.hf.loading import LoadedModel
 
 
 def set_threads(threads: int | None) -> None:
-    """0 or None keeps torch's default; a positive count sets it (worker threads inherit it)."""
-    if threads is None or threads == 0:
-        return
-    if threads < 0:
-        raise UserError(f"threads must be 0 (torch's default) or a positive count, got {threads}")
-    import torch
+    """0 or None keeps torch's default; a positive count sets it (worker threads inherit it).
+    The --threads option has checked the count."""
+    if threads:
+        import torch
 
-    torch.set_num_threads(threads)
-
-
-def check_adapter(adapter: Path | None) -> None:
-    """Fail on a directory that holds no adapter before any model is loaded."""
-    if adapter is not None:
-        from speedkv.hf.adapters import read_adapter_info
-
-        read_adapter_info(adapter)
+        torch.set_num_threads(threads)
 
 
 def load(
-    model: str,
-    dtype: str = "auto",
-    device: str = "auto",
-    adapter: Path | None = None,
-    method: str | None = None,
-):
-    """The model, with a LoRA adapter merged into it when one is given (warning when the
-    adapter was trained for another method than `method`)."""
+    model: str, dtype: str = "auto", device: str = "auto", adapter: Path | None = None
+) -> LoadedModel:
+    """The model, with a LoRA adapter merged into it when one is given."""
     from speedkv.hf.loading import load_model
 
     log(f"loading {model}")
     loaded = load_model(model, dtype=dtype, device=device)
     if adapter is not None:
-        from speedkv.hf.adapters import apply_adapter, read_adapter_info
+        from speedkv.hf.adapters import apply_adapter
 
         loaded = apply_adapter(loaded, adapter)
-        info = read_adapter_info(adapter)
-        warning = method_mismatch(info, method, loaded.shape) if method else None
+    return loaded
+
+
+def bind(method: MethodSpec, loaded: LoadedModel, adapter: Path | None = None) -> Policy:
+    """`method` bound to the loaded model, with a warning when `adapter` was trained for
+    another method."""
+    policy = method.bind(loaded.shape)
+    if adapter is not None:
+        from speedkv.hf.adapters import read_adapter_info
+
+        warning = method_mismatch(read_adapter_info(adapter), policy)
         if warning:
             log(f"warning: {warning}")
-    return loaded
+    return policy
+
+
+def method_mismatch(info: dict, policy: Policy) -> str | None:
+    """A warning when `policy` does not run the method the adapter was trained for."""
+    trained = info.get("method")
+    if not trained or policy.spec() == trained:
+        return None
+    return (
+        f"the adapter was trained for '{trained}' but runs with '{policy.spec()}'; "
+        "its quality was measured only for the method it was trained for"
+    )
 
 
 def command_line() -> str:
@@ -65,37 +71,46 @@ def command_line() -> str:
     return shlex.join(["speedkv", *sys.argv[1:]])
 
 
-def method_mismatch(info: dict, method_spec: str, shape) -> str | None:
-    """A warning when `method_spec` is not the method the adapter was trained for."""
-    from speedkv.core.registry import make_policy
-
-    trained = info.get("method")
-    if not trained:
-        return None
-    wanted = make_policy(method_spec, shape).spec()
-    if wanted == trained:
-        return None
-    return (
-        f"the adapter was trained for '{trained}' but runs with '{wanted}'; "
-        "its quality was measured only for the method it was trained for"
-    )
-
-
-METHOD_HELP = (
-    "Method spec, e.g. 'full', 'speed:lcut=22,anchors=bos', "
-    "'speed:lcut=22,anchors=sink:4,deep=header,selfonly=true'."
-)
+# -- the user's files --------------------------------------------------------------------------
+def read_text_file(path: Path, what: str, empty: str = "is empty") -> str:
+    """The text of a UTF-8 file the user named. Each way it can fail is one sentence naming
+    `what` it is: missing, a directory, unreadable, not UTF-8 (binary), or blank (`empty`)."""
+    try:
+        data = path.read_bytes()
+    except FileNotFoundError:  # a dangling link too
+        raise UserError(f"{what} '{path}' does not exist") from None
+    except IsADirectoryError:
+        raise UserError(f"{what} '{path}' is a directory; give a file") from None
+    except OSError as err:
+        raise UserError(f"{what} '{path}' cannot be read ({err.strerror or err})") from None
+    try:
+        text: str | None = data.decode("utf-8")
+    except UnicodeDecodeError:
+        text = None
+    if text is None or "\0" in text:  # NUL is valid UTF-8, but only binary files hold it
+        raise UserError(f"{what} '{path}' is not UTF-8 text")
+    if not text.strip():
+        raise UserError(f"{what} '{path}' {empty}")
+    return text
 
 
 def read_prompt(prompt: str | None, prompt_file: Path | None) -> str:
+    """The prompt: the argument, the --prompt-file, or standard input when piped."""
     if prompt is not None and prompt_file is not None:
         raise UserError("give the prompt either as an argument or with --prompt-file, not both")
     if prompt_file is not None:
-        if not prompt_file.is_file():
-            raise UserError(f"prompt file '{prompt_file}' does not exist")
-        prompt = prompt_file.read_text(encoding="utf-8")
-    elif prompt is None and not sys.stdin.isatty():
-        prompt = sys.stdin.read()
+        return read_text_file(prompt_file, "prompt file")
+    if prompt is None and not sys.stdin.isatty():
+        try:
+            prompt = sys.stdin.read()
+        except UnicodeDecodeError:
+            raise UserError("the prompt on standard input is not UTF-8 text") from None
     if prompt is None or not prompt.strip():
         raise UserError("the prompt is empty; give some text or a --prompt-file")
     return prompt
+
+
+def read_prompt_lines(path: Path) -> list[str]:
+    """The non-blank lines of a UTF-8 text file, one prompt each."""
+    text = read_text_file(path, "prompt file", empty="has no prompts (one per line)")
+    return [line.strip() for line in text.splitlines() if line.strip()]

@@ -4,18 +4,29 @@ SPEED, side by side with what each cost."""
 from __future__ import annotations
 
 import json
+from collections.abc import Sequence
 from functools import partial
 from pathlib import Path
 
 import typer
 
 from speedkv.bench.memory import peak_rss_bytes, reset_peak_rss
-from speedkv.cli.common import MODEL_HELP
+from speedkv.cli.common import load, set_threads
+from speedkv.cli.options import (
+    Adapter,
+    AsJson,
+    Device,
+    Dtype,
+    MaxNewTokens,
+    Methods,
+    Model,
+    PromptTokens,
+    Threads,
+)
 from speedkv.core.engine import Engine
-from speedkv.core.registry import make_policy
+from speedkv.core.registry import MethodSpec, make_policy
 from speedkv.core.sampling import SamplingParams
-from speedkv.core.spec import split_spec
-from speedkv.hf.loading import load_model
+from speedkv.hf.loading import LoadedModel
 from speedkv.log import log as _log
 from speedkv.prompts.haystack import haystack_text, plant
 
@@ -27,14 +38,16 @@ log = partial(_log, source="demo")
 
 
 def run_demo(
-    model: str, methods: list[str], tokens: int, dtype: str, as_json: bool, adapter=None
+    loaded: LoadedModel,
+    methods: Sequence[MethodSpec],
+    prompt_tokens: int,
+    max_new_tokens: int,
+    as_json: bool,
+    adapter: Path | None = None,
 ) -> dict:
-    for method in methods:
-        split_spec(method)
-    log(f"loading {model} (the first run converts the GGUF once, ~20 s)")
-    loaded = load_model(model, dtype=dtype)
     engine = Engine(loaded)
-    specs = list(dict.fromkeys(["full"] + [make_policy(m, loaded.shape).spec() for m in methods]))
+    bound = [make_policy("full", loaded.shape), *(m.bind(loaded.shape) for m in methods)]
+    policies = {policy.spec(): policy for policy in bound}  # full first, each method once
     trained_for, adapted = None, None
     if adapter is not None:  # the adapter's own method runs with it; full stays the base model
         from speedkv.hf.adapters import apply_adapter, read_adapter_info
@@ -42,15 +55,15 @@ def run_demo(
         trained_for = read_adapter_info(adapter).get("method")
         adapted = Engine(apply_adapter(loaded, adapter))
     # the calibration split: demo prompts are designed, and the eval split is kept for measuring
-    document = plant(haystack_text(loaded.tokenizer, tokens, split="calib"), FACT, depth=0.7)
+    document = plant(haystack_text(loaded.tokenizer, prompt_tokens, split="calib"), FACT, depth=0.7)
     prompt = f"{document}\n\n{QUESTION}"
-    sampling = SamplingParams(max_new_tokens=32)
+    sampling = SamplingParams(max_new_tokens=max_new_tokens)
     log("warming up")
     engine.generate([engine.request("Hello.", "full", sampling=SamplingParams(max_new_tokens=2))])
     rows = []
-    for spec in specs:
+    for spec, policy in policies.items():
         runner = adapted if adapted is not None and spec == trained_for else engine
-        request = runner.request(prompt, spec, sampling=sampling)
+        request = runner.request(prompt, policy, sampling=sampling)
         new = sampling.max_new_tokens
         log(f"{spec}: prefill of {len(request.ids)} tokens, then up to {new} new tokens")
         reset_peak_rss()
@@ -124,32 +137,19 @@ commands = typer.Typer()
 
 @commands.command()
 def demo(
-    model: str = typer.Option("smollm2-135m", "--model", "-m", help=MODEL_HELP),
-    methods: str = typer.Option(
-        "speed:lcut=26,anchors=bos",
-        "--methods",
-        help="Method specs to compare with full, separated by ';'.",
-    ),
-    tokens: int = typer.Option(3000, "--tokens", help="Approximate document length in tokens."),
-    dtype: str = typer.Option("auto", "--dtype", help="auto, float32 or bfloat16."),
-    adapter: Path | None = typer.Option(
-        None,
-        "--adapter",
-        help="LoRA adapter from `speedkv train`: the method it was trained for runs with it, "
-        "full runs without.",
-    ),
-    as_json: bool = typer.Option(False, "--json", help="Print JSON."),
+    model: Model = "smollm2-135m",
+    methods: Methods = "speed:lcut=26,anchors=bos",
+    prompt_tokens: PromptTokens = 3000,
+    max_new_tokens: MaxNewTokens = 32,
+    adapter: Adapter = None,
+    dtype: Dtype = "auto",
+    device: Device = "auto",
+    threads: Threads = 0,
+    as_json: AsJson = False,
 ) -> None:
     """Ask one question about a long document with full attention and with SPEED (or any
-    methods); print the answers and what each cost."""
-    from speedkv.cli.demo import run_demo
-    from speedkv.cli.options import parse_methods
-
-    run_demo(
-        model=model,
-        methods=parse_methods(methods),
-        tokens=tokens,
-        dtype=dtype,
-        as_json=as_json,
-        adapter=adapter,
-    )
+    methods); print the answers and what each cost. With --adapter, the method it was trained
+    for runs with it and full runs without."""
+    set_threads(threads)
+    loaded = load(model, dtype, device)
+    run_demo(loaded, methods, prompt_tokens, max_new_tokens, as_json, adapter)

@@ -5,10 +5,24 @@ from __future__ import annotations
 import json
 import shutil
 from pathlib import Path
+from typing import Annotated
 
 import typer
 
-from speedkv.cli.common import MODEL_HELP, check_adapter, load, set_threads
+from speedkv.cli.common import load, read_text_file, set_threads
+from speedkv.cli.options import (
+    Adapter,
+    AsJson,
+    ContinuationTokens,
+    Device,
+    Dtype,
+    Lengths,
+    Methods,
+    Model,
+    OutDir,
+    Seed,
+    Threads,
+)
 from speedkv.errors import UserError
 from speedkv.log import log
 
@@ -17,85 +31,71 @@ commands = typer.Typer()
 
 @commands.command("eval")
 def eval_command(
-    model: str = typer.Option("smollm2-135m", "--model", "-m", help=MODEL_HELP),
-    methods: str = typer.Option(
-        "full;speed:lcut=22,anchors=bos",
-        "--methods",
-        help="Method specs separated by ';'. full is always added (the reference).",
-    ),
-    tasks: str = typer.Option(
-        "niah,fidelity,sanity",
-        "--tasks",
-        help="Comma-separated: niah, niah_multikey, niah_multivalue, vt, fidelity, sanity.",
-    ),
-    lengths: str = typer.Option("2048", "--lengths", help="Prompt lengths in tokens."),
-    n: str | None = typer.Option(
-        None,
-        "--n",
-        help="Samples per task and length: one count, or per task 'niah=10,fidelity=4' "
-        "(defaults: niah 10, niah_multikey 4, niah_multivalue 3, vt 3, fidelity 4, sanity 12).",
-    ),
-    seed: int = typer.Option(0, "--seed", help="Seed for needles, depths, values, passages."),
-    depths: str = typer.Option(
-        "0.1,0.5,0.9", "--depths", help="Needle depths (0 = start, 1 = end of the document)."
-    ),
-    fidelity_tokens: int = typer.Option(
-        64, "--fidelity-tokens", help="Tokens teacher-forced per fidelity sample."
-    ),
-    split: str = typer.Option(
-        "eval", "--split", help="Essay split: eval (measuring) or calib (designing prompts)."
-    ),
-    dtype: str = typer.Option("auto", "--dtype", help="auto, float32 or bfloat16."),
-    threads: int = typer.Option(
-        0,
-        "--threads",
-        help="CPU threads for torch (0 = torch's default). On a CPU shared with other "
-        "jobs, 1 is often several times faster.",
-    ),
-    out: Path = typer.Option(Path("runs/eval"), "--out", help="Directory for results."),
-    resume: bool = typer.Option(
-        False, "--resume", help="Keep the runs already in OUT/records.jsonl."
-    ),
-    adapter: Path | None = typer.Option(
-        None,
-        "--adapter",
-        help="LoRA adapter from `speedkv train`, merged into the model for every method "
-        "(the full reference included).",
-    ),
-    as_json: bool = typer.Option(False, "--json", help="Print results.json to stdout."),
+    model: Model = "smollm2-135m",
+    methods: Methods = "full;speed:lcut=22,anchors=bos",
+    tasks: Annotated[
+        str,
+        typer.Option(
+            "--tasks",
+            help="Comma-separated: niah, niah_multikey, niah_multivalue, vt, fidelity, sanity.",
+        ),
+    ] = "niah,fidelity,sanity",
+    lengths: Lengths = "2048",
+    samples: Annotated[
+        str | None,
+        typer.Option(
+            "--samples",
+            metavar="N|TASK=N,...",
+            help="Samples per task and length: one count, or per task 'niah=10,fidelity=4' "
+            "(defaults: niah 10, niah_multikey 4, niah_multivalue 3, vt 3, fidelity 4, "
+            "sanity 12).",
+        ),
+    ] = None,
+    seed: Seed = 0,
+    depths: Annotated[
+        str,
+        typer.Option("--depths", help="Needle depths (0 = start, 1 = end of the document)."),
+    ] = "0.1,0.5,0.9",
+    continuation_tokens: ContinuationTokens = 64,
+    split: Annotated[
+        str,
+        typer.Option("--split", help="Essay split: eval (measuring) or calib (designing prompts)."),
+    ] = "eval",
+    out: OutDir = Path("runs/eval"),
+    resume: Annotated[
+        bool, typer.Option("--resume", help="Keep the runs already in OUT/records.jsonl.")
+    ] = False,
+    adapter: Adapter = None,
+    dtype: Dtype = "auto",
+    device: Device = "auto",
+    threads: Threads = 0,
+    as_json: AsJson = False,
 ) -> None:
     """Measure what methods cost in quality: needle retrieval, fidelity to full attention
-    and short-prompt sanity, per prompt length."""
-    from speedkv.cli.options import parse_lengths, parse_methods
-    from speedkv.core.spec import split_spec
+    and short-prompt sanity, per prompt length. With --adapter, every method runs with it
+    (the full reference included)."""
     from speedkv.evals.report import markdown_tables
     from speedkv.evals.runner import EvalConfig, EvalRunner
     from speedkv.evals.tasks import parse_depths, parse_n, parse_tasks
 
     task_list = parse_tasks(tasks)
-    method_list = parse_methods(methods)
-    for spec in method_list:
-        split_spec(spec)  # malformed specs fail before the model loads
     if split not in ("eval", "calib"):
         raise UserError(f"split must be eval or calib, got '{split}'")
     config = EvalConfig(
         model=model,
-        methods=method_list,
+        methods=[m.text for m in methods],
         tasks=task_list,
-        lengths=parse_lengths(lengths),
-        n=parse_n(n, task_list),
+        lengths=list(lengths),
+        n=parse_n(samples, task_list),
         seed=seed,
         dtype=dtype,
         depths=parse_depths(depths),
-        fidelity_tokens=fidelity_tokens,
+        fidelity_tokens=continuation_tokens,
         split=split,
         adapter=str(adapter) if adapter is not None else None,
     )
-    if fidelity_tokens < 1:
-        raise UserError(f"fidelity-tokens must be at least 1, got {fidelity_tokens}")
     set_threads(threads)
-    check_adapter(adapter)
-    runner = EvalRunner(load(model, dtype, adapter=adapter), config, out)
+    runner = EvalRunner(load(model, dtype, device, adapter), config, out)
     result = runner.run(resume=resume, log=log)
     if as_json:
         print(json.dumps(result, indent=2))
@@ -106,38 +106,40 @@ def eval_command(
 
 @commands.command("eval-report")
 def eval_report_command(
-    directory: Path = typer.Argument(..., help="A `speedkv eval --out` directory."),
-    command: str | None = typer.Option(
-        None, "--command", help="The command that regenerates it, quoted in the page."
-    ),
-    findings: Path | None = typer.Option(
-        None,
-        "--findings",
-        help="A markdown file of what the numbers say, placed after the overview table.",
-    ),
-    page: Path | None = typer.Option(
-        None,
-        "--page",
-        help="Write the page to this file instead of stdout, with its plots in a folder of "
-        "the same name beside it (docs/results.md -> docs/results/).",
-    ),
-    as_json: bool = typer.Option(False, "--json", help="Print the summary as JSON."),
+    directory: Annotated[Path, typer.Argument(help="A `speedkv eval --out` directory.")],
+    command: Annotated[
+        str | None,
+        typer.Option("--command", help="The command that regenerates it, quoted in the page."),
+    ] = None,
+    findings: Annotated[
+        Path | None,
+        typer.Option(
+            "--findings",
+            metavar="FILE",
+            help="A markdown file of what the numbers say, placed after the overview table.",
+        ),
+    ] = None,
+    page: Annotated[
+        Path | None,
+        typer.Option(
+            "--page",
+            metavar="FILE",
+            help="Write the page to this file instead of stdout, with its plots in a folder of "
+            "the same name beside it (docs/results.md -> docs/results/).",
+        ),
+    ] = None,
+    as_json: AsJson = False,
 ) -> None:
     """Print the results page (markdown) of an evaluation: setup, method, every table."""
     from speedkv.evals.report import FIGURES, results_markdown
 
-    path = directory / "results.json"
-    if not path.is_file():
-        raise UserError(f"'{path}' does not exist; run `speedkv eval --out {directory}` first")
-    if findings is not None and not findings.is_file():
-        raise UserError(f"findings file '{findings}' does not exist")
     if page is not None and page.suffix != ".md":
         raise UserError(f"--page must name a markdown file ending in .md, got '{page}'")
-    result = json.loads(path.read_text())
+    notes = read_text_file(findings, "findings file") if findings is not None else None
+    result = read_results(directory)
     if as_json:
         print(json.dumps(result["summary"], indent=2))
         return
-    notes = findings.read_text() if findings is not None else None
     if page is None:
         print(results_markdown(result, command, str(directory), notes), end="")
         return
@@ -150,3 +152,17 @@ def eval_report_command(
     text = results_markdown(result, command, str(directory), notes, links)
     page.write_text(text)
     log(f"wrote {page} and its plots in {figures}/")
+
+
+def read_results(directory: Path) -> dict:
+    """The results.json of an evaluation directory, or one sentence on why it is not one."""
+    path = directory / "results.json"
+    if not path.is_file():
+        raise UserError(f"'{path}' does not exist; run `speedkv eval --out {directory}` first")
+    try:
+        result = json.loads(read_text_file(path, "results file"))
+    except json.JSONDecodeError as err:
+        raise UserError(f"'{path}' is not valid JSON ({err.msg})") from None
+    if not isinstance(result, dict) or not {"config", "summary"} <= result.keys():
+        raise UserError(f"'{path}' is not the results.json of a `speedkv eval` run")
+    return result

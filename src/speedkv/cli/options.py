@@ -1,8 +1,80 @@
-"""Option types every command shares."""
+"""The options commands share, as typed aliases: one name, help text and check per thing, so
+`--max-new-tokens` means the same in `generate`, `bench` and `diagnose`.
+
+Values are checked while the arguments are parsed, before any model loads; a bad one ends as
+click's one line "Invalid value for '--x': <what is wrong and what is allowed>"."""
 
 from __future__ import annotations
 
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Annotated, Any, TypeVar
+
+import typer
+
+from speedkv.core.registry import MethodSpec, parse_spec
 from speedkv.errors import UserError
+
+T = TypeVar("T")
+
+MODEL_HELP = "Embedded model name (smollm2-135m, qwen2.5-coder-0.5b), HF directory or .gguf file."
+METHOD_HELP = (
+    "Method spec, e.g. 'full' or 'speed:lcut=22,anchors=bos' (docs/methods.md lists every "
+    "method's options)."
+)
+METHODS_HELP = (
+    "Method specs separated by ';', e.g. 'speed:lcut=22,anchors=bos;snapkv'; full is always "
+    "added (the reference)."
+)
+THREADS_HELP = (
+    "CPU threads for torch (0 = torch's default). On a CPU shared with other jobs, 1 is often "
+    "faster than oversubscribed cores."
+)
+MAX_THREADS = 1024
+MAX_SEED = 2**32 - 1  # numpy's limit, which the Trainer's seeding hits
+
+
+# -- parsers ---------------------------------------------------------------------------------
+def option_parser(parse: Callable[[str], T]) -> Callable[[str], T]:
+    """`parse` as a typer parser. Its UserError becomes click's BadParameter: typer would print
+    a plain ValueError with pydantic's "Value error," in front."""
+
+    def parser(value: Any) -> T:
+        if not isinstance(value, str):  # a default given already parsed
+            return value
+        try:
+            return parse(value)
+        except UserError as err:
+            raise typer.BadParameter(str(err)) from None
+
+    return parser
+
+
+def count(name: str, least: int, most: int | None = None, rule: str = "") -> Callable[[str], int]:
+    """A parser of whole numbers from `least` to `most`; `rule` words the range for errors."""
+    rule = rule or (f"at least {least}" if most is None else f"between {least} and {most}")
+
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            raise UserError(f"{name} must be a whole number, got '{text}'") from None
+        if value < least or (most is not None and value > most):
+            raise UserError(f"{name} must be {rule}, got {value}")
+        return value
+
+    return parse
+
+
+def parsed_option(*flags: str, parse: Callable[[str], Any], metavar: str, help: str) -> Any:
+    """A typer option whose value `parse` checks and converts while arguments are parsed."""
+    return typer.Option(*flags, metavar=metavar, parser=option_parser(parse), help=help)
+
+
+def count_option(flag: str, *aliases: str, least: int, help: str, **range_: Any) -> Any:
+    """An option of whole numbers in `count`'s range (most=, rule=), named after the flag."""
+    parse = count(flag.removeprefix("--"), least, **range_)
+    return parsed_option(flag, *aliases, parse=parse, metavar="N", help=help)
 
 
 def parse_lengths(text: str) -> list[int]:
@@ -15,8 +87,154 @@ def parse_lengths(text: str) -> list[int]:
     return lengths
 
 
-def parse_methods(text: str) -> list[str]:
+def split_methods(text: str) -> list[str]:
+    """The specs of a ';'-separated list, unchecked."""
     methods = [m.strip() for m in text.split(";") if m.strip()]
     if not methods:
         raise UserError("give at least one method, e.g. --methods 'full;speed:lcut=22,anchors=bos'")
     return methods
+
+
+def parse_methods(text: str) -> list[MethodSpec]:
+    return [parse_spec(m) for m in split_methods(text)]
+
+
+def parse_dtype(text: str) -> str:
+    import torch
+
+    from speedkv.hf.loading import resolve_dtype
+
+    resolve_dtype(text, torch.device("cpu"))  # the loader's own check, so the two cannot drift
+    return text
+
+
+def parse_device(text: str) -> str:
+    import torch
+
+    from speedkv.hf.loading import resolve_device
+
+    device = resolve_device(text)
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise UserError(f"device '{text}' needs a CUDA GPU and this machine has none; use cpu")
+    return text
+
+
+def parse_out_dir(text: str) -> Path:
+    """A directory that exists or can be made: no file (or link to nothing) in its way."""
+    path = Path(text)
+    for part in (path, *path.parents):
+        if part.is_symlink() and not part.exists():
+            raise UserError(f"'{part}' is a link to nothing; give a directory for the results")
+        if part.exists():
+            if not part.is_dir():
+                raise UserError(f"'{part}' is a file; give a directory for the results")
+            break
+    return path
+
+
+def parse_adapter(text: str) -> Path:
+    from speedkv.hf.adapters import read_adapter_info
+
+    read_adapter_info(text)  # a directory without an adapter fails before any model loads
+    return Path(text)
+
+
+# -- the shared options ----------------------------------------------------------------------
+Model = Annotated[str, typer.Option("--model", "-m", metavar="MODEL", help=MODEL_HELP)]
+Method = Annotated[
+    MethodSpec, parsed_option("--method", parse=parse_spec, metavar="SPEC", help=METHOD_HELP)
+]
+Methods = Annotated[
+    Sequence[MethodSpec],
+    parsed_option("--methods", parse=parse_methods, metavar="SPECS", help=METHODS_HELP),
+]
+Dtype = Annotated[
+    str,
+    parsed_option(
+        "--dtype",
+        parse=parse_dtype,
+        metavar="DTYPE",
+        help="Weights and activations: auto (bfloat16 where it is fast), float32 or bfloat16.",
+    ),
+]
+Device = Annotated[
+    str,
+    parsed_option(
+        "--device",
+        parse=parse_device,
+        metavar="DEVICE",
+        help="Where the model runs: auto (a GPU if there is one), cpu or cuda.",
+    ),
+]
+Threads = Annotated[
+    int,
+    count_option(
+        "--threads",
+        least=0,
+        most=MAX_THREADS,
+        rule=f"0 (torch's default) or a count up to {MAX_THREADS}",
+        help=THREADS_HELP,
+    ),
+]
+Adapter = Annotated[
+    Path | None,
+    parsed_option(
+        "--adapter",
+        parse=parse_adapter,
+        metavar="DIR",
+        help="LoRA adapter directory from `speedkv train`, merged into the model.",
+    ),
+]
+AsJson = Annotated[
+    bool, typer.Option("--json", help="Print the result as JSON on stdout (logs go to stderr).")
+]
+MaxNewTokens = Annotated[
+    int,
+    count_option("--max-new-tokens", "-n", least=1, help="Most tokens to generate per prompt."),
+]
+ContinuationTokens = Annotated[
+    int,
+    count_option(
+        "--continuation-tokens",
+        least=1,
+        help="Tokens of the text after each prompt, teacher-forced and compared with full "
+        "attention.",
+    ),
+]
+Seed = Annotated[int | None, count_option("--seed", least=0, most=MAX_SEED, help="Random seed.")]
+Samples = Annotated[
+    int | None,
+    count_option("--samples", least=1, help="How many prompts or passages to measure on."),
+]
+PromptTokens = Annotated[
+    int, count_option("--prompt-tokens", least=1, help="Length of the built-in prompts in tokens.")
+]
+Lengths = Annotated[
+    Sequence[int],
+    parsed_option(
+        "--lengths",
+        parse=parse_lengths,
+        metavar="N,N,...",
+        help="Prompt lengths in tokens, separated by commas.",
+    ),
+]
+OutDir = Annotated[
+    Path,
+    parsed_option(
+        "--out",
+        "-o",
+        parse=parse_out_dir,
+        metavar="DIR",
+        help="Directory for the results (made if missing).",
+    ),
+]
+PromptFile = Annotated[
+    Path | None,
+    typer.Option("--prompt-file", metavar="FILE", help="Read the prompt from a UTF-8 text file."),
+]
+PromptsFile = Annotated[
+    Path | None,
+    typer.Option(
+        "--prompts-file", metavar="FILE", help="Prompts from a UTF-8 text file, one per line."
+    ),
+]

@@ -2,15 +2,26 @@
 
 from __future__ import annotations
 
-from pathlib import Path
+from typing import Annotated
 
 import typer
 
-from speedkv.cli.common import MODEL_HELP, THREADS_HELP, check_adapter, load, set_threads
+from speedkv.cli.common import bind, load, set_threads
+from speedkv.cli.options import Adapter, Device, Dtype, Model, Threads, parsed_option
+from speedkv.core.registry import MethodSpec, parse_spec
 from speedkv.errors import UserError
 from speedkv.log import log as _log
 
 LOOPBACK = {"127.0.0.1", "localhost", "::1"}
+DefaultMethod = Annotated[
+    MethodSpec,
+    parsed_option(
+        "--method",
+        parse=parse_spec,
+        metavar="SPEC",
+        help="Method of requests that do not choose one, e.g. 'speed:lcut=22,anchors=bos'.",
+    ),
+]
 
 
 commands = typer.Typer()
@@ -18,49 +29,54 @@ commands = typer.Typer()
 
 @commands.command()
 def serve(
-    model: str = typer.Option("smollm2-135m", "--model", "-m", help=MODEL_HELP),
-    method: str = typer.Option(
-        "full",
-        "--method",
-        help="Method of requests that do not choose one, e.g. 'speed:lcut=22,anchors=bos'.",
-    ),
-    fixed_method: bool = typer.Option(
-        False,
-        "--fixed-method",
-        help="Refuse per-request methods (the body field speedkv.method).",
-    ),
-    adapter: Path | None = typer.Option(
-        None, "--adapter", help="LoRA adapter from `speedkv train`, merged into the model."
-    ),
-    host: str = typer.Option(
-        "127.0.0.1", "--host", help="Address to bind; loopback only by default."
-    ),
-    port: int = typer.Option(8000, "--port", help="TCP port."),
-    max_batch: int = typer.Option(16, "--max-batch", help="Sequences decoding together."),
-    max_queue: int = typer.Option(
-        64, "--max-queue", help="Sequences waiting for a batch slot; more are answered 429."
-    ),
-    max_prompt_tokens: int | None = typer.Option(
-        None, "--max-prompt-tokens", help="Longest prompt accepted (default: the context)."
-    ),
-    max_tokens_limit: int | None = typer.Option(
-        None, "--max-tokens-limit", help="Largest max_tokens a request may ask for."
-    ),
-    max_body_bytes: int = typer.Option(
-        4 * 2**20, "--max-body-bytes", help="Largest request body, in bytes."
-    ),
-    api_key: str | None = typer.Option(
-        None,
-        "--api-key",
-        envvar="SPEEDKV_API_KEY",
-        help="Require 'Authorization: Bearer KEY' on /v1/ routes (or set SPEEDKV_API_KEY).",
-    ),
-    dtype: str = typer.Option("auto", "--dtype", help="auto, float32 or bfloat16."),
-    device: str = typer.Option("auto", "--device", help="auto, cpu or cuda."),
-    threads: int = typer.Option(0, "--threads", help=THREADS_HELP),
-    log_level: str = typer.Option(
-        "info", "--log-level", help="uvicorn log level: critical, error, warning, info."
-    ),
+    model: Model = "smollm2-135m",
+    method: DefaultMethod = "full",
+    fixed_method: Annotated[
+        bool,
+        typer.Option(
+            "--fixed-method", help="Refuse per-request methods (the body field speedkv.method)."
+        ),
+    ] = False,
+    adapter: Adapter = None,
+    host: Annotated[
+        str, typer.Option("--host", help="Address to bind; loopback only by default.")
+    ] = "127.0.0.1",
+    port: Annotated[int, typer.Option("--port", help="TCP port.")] = 8000,
+    max_batch: Annotated[
+        int, typer.Option("--max-batch", help="Sequences decoding together.")
+    ] = 16,
+    max_queue: Annotated[
+        int,
+        typer.Option(
+            "--max-queue", help="Sequences waiting for a batch slot; more are answered 429."
+        ),
+    ] = 64,
+    max_prompt_tokens: Annotated[
+        int | None,
+        typer.Option("--max-prompt-tokens", help="Longest prompt accepted (default: the context)."),
+    ] = None,
+    max_tokens_limit: Annotated[
+        int | None,
+        typer.Option("--max-tokens-limit", help="Largest max_tokens a request may ask for."),
+    ] = None,
+    max_body_bytes: Annotated[
+        int, typer.Option("--max-body-bytes", help="Largest request body, in bytes.")
+    ] = 4 * 2**20,
+    api_key: Annotated[
+        str | None,
+        typer.Option(
+            "--api-key",
+            envvar="SPEEDKV_API_KEY",
+            help="Require 'Authorization: Bearer KEY' on /v1/ routes (or set SPEEDKV_API_KEY).",
+        ),
+    ] = None,
+    dtype: Dtype = "auto",
+    device: Device = "auto",
+    threads: Threads = 0,
+    log_level: Annotated[
+        str,
+        typer.Option("--log-level", help="uvicorn log level: critical, error, warning, info."),
+    ] = "info",
 ) -> None:
     """Serve the OpenAI API (/v1/completions, /v1/chat/completions, /v1/models) with
     continuous batching, plus /metrics (Prometheus) and /health."""
@@ -70,7 +86,6 @@ def serve(
     from speedkv.server.app import create_app
     from speedkv.server.config import ServerConfig
 
-    check_adapter(adapter)
     set_threads(threads)  # the scheduler thread inherits it
     if not 0 <= port <= 65535:
         raise UserError(f"port must be between 0 and 65535, got {port}")
@@ -80,7 +95,7 @@ def serve(
         )
     config = ServerConfig(
         model_name=model,
-        method=method,
+        method=method.text,
         fixed_method=fixed_method,
         max_batch=max_batch,
         max_queue=max_queue,
@@ -91,8 +106,9 @@ def serve(
     ).check()  # mistakes fail before the model loads
     if host not in LOOPBACK and not api_key:
         _log(f"warning: binding {host} without --api-key; anyone who can reach it may use it")
-    loaded = load(model, dtype, device, adapter, method)
+    loaded = load(model, dtype, device, adapter)
     config.model_name = loaded.name
+    config.method = bind(method, loaded, adapter).spec()  # canonical, and checked on the model
     app_ = create_app(Engine(loaded), config)
     _log(
         f"serving '{loaded.name}' ({loaded.dtype_name}) with "

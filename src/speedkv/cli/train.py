@@ -3,17 +3,26 @@
 from __future__ import annotations
 
 import json
+from collections.abc import Sequence
 from pathlib import Path
+from typing import Annotated
 
 import typer
 
-from speedkv.cli.common import MODEL_HELP, THREADS_HELP, command_line, load, set_threads
+from speedkv.cli.common import command_line, load, read_text_file, set_threads
+from speedkv.cli.options import (
+    AsJson,
+    Device,
+    Methods,
+    Model,
+    OutDir,
+    Seed,
+    Threads,
+    parsed_option,
+)
+from speedkv.core.registry import MethodSpec, parse_spec
 from speedkv.errors import UserError
 
-METHOD_HELP = (
-    "What to train for: 'speed:lcut=22,anchors=bos' (any SPEED spec) or 'full' (the same LoRA "
-    "without SPEED, the fair baseline)."
-)
 DATA_HELP = (
     "'builtin' (needles, passkeys, key-value lookups, variable tracking, continuation, short "
     "instructions from training essays), 'builtin:needle=3,continue=2,...' to reweight, or a "
@@ -21,14 +30,15 @@ DATA_HELP = (
 )
 
 
-def _bf16_default(value: bool | None) -> bool:
+def _bf16_default(value: bool | None, device: str) -> bool:
+    """bf16 autocast unless asked otherwise where it is fast: GPUs and CPUs with bf16 matmuls."""
     if value is not None:
         return value
     import torch
 
     from speedkv.hf.loading import cpu_has_bf16_matmul
 
-    return torch.cuda.is_available() or cpu_has_bf16_matmul()
+    return (device != "cpu" and torch.cuda.is_available()) or cpu_has_bf16_matmul()
 
 
 def _modules(value: str) -> list[str]:
@@ -38,79 +48,128 @@ def _modules(value: str) -> list[str]:
     return names
 
 
+def _trainable(text: str) -> MethodSpec:
+    from speedkv.train.forward import check_trainable
+
+    method = parse_spec(text)
+    check_trainable(method.text)
+    return method
+
+
+TrainMethod = Annotated[
+    MethodSpec,
+    parsed_option(
+        "--method",
+        parse=_trainable,
+        metavar="SPEC",
+        help="What to train for: 'speed:lcut=22,anchors=bos' (any SPEED spec) or 'full' (the "
+        "same LoRA without SPEED, the fair baseline).",
+    ),
+]
+LoraRank = Annotated[int, typer.Option("--lora-r", help="LoRA rank.")]
+Bf16 = Annotated[
+    bool | None,
+    typer.Option("--bf16/--no-bf16", help="bf16 autocast (default: on where bf16 is fast)."),
+]
+Distill = Annotated[
+    float,
+    typer.Option(
+        "--distill",
+        help="Weight in [0, 1] of KL to the frozen full-depth model (adapter off) on the "
+        "response tokens; the rest is cross-entropy.",
+    ),
+]
+
 commands = typer.Typer()
 
 
 @commands.command("train")
 def train(
-    out: Path = typer.Option(..., "--out", "-o", help="Run directory (adapter, checkpoints)."),
-    model: str = typer.Option("smollm2-135m", "--model", "-m", help=MODEL_HELP),
-    method: str = typer.Option("speed:lcut=22,anchors=bos", "--method", help=METHOD_HELP),
-    data: str = typer.Option("builtin", "--data", help=DATA_HELP),
-    lora_r: int = typer.Option(16, "--lora-r", help="LoRA rank."),
-    lora_alpha: int = typer.Option(32, "--lora-alpha", help="LoRA alpha (scale alpha/r)."),
-    lora_dropout: float = typer.Option(0.0, "--lora-dropout", help="LoRA dropout."),
-    target_modules: str = typer.Option(
-        "q_proj,k_proj,v_proj,o_proj,gate_proj,up_proj,down_proj",
-        "--target-modules",
-        help="Comma-separated module names that get LoRA adapters.",
-    ),
-    lr: float = typer.Option(5e-4, "--lr", help="Peak learning rate (AdamW)."),
-    steps: int | None = typer.Option(
-        None, "--steps", help="Optimizer steps (default: --epochs passes over the data)."
-    ),
-    epochs: float = typer.Option(1.0, "--epochs", help="Passes over the data if no --steps."),
-    examples: int | None = typer.Option(
-        None,
-        "--examples",
-        help="Records in the built-in mix (default: steps x batch x grad-accum, or 500).",
-    ),
-    seq_len: int = typer.Option(2048, "--seq-len", help="Longest example in tokens."),
-    batch: int = typer.Option(1, "--batch", help="Examples per device per micro-step."),
-    grad_accum: int = typer.Option(1, "--grad-accum", help="Micro-steps per optimizer step."),
-    warmup_steps: int = typer.Option(10, "--warmup-steps", help="Linear warm-up steps."),
-    seed: int = typer.Option(0, "--seed", help="Seed for the data mix and training."),
-    distill: float = typer.Option(
-        0.0,
-        "--distill",
-        help="Weight in [0, 1] of KL to the frozen full-depth model (adapter off) on the "
-        "response tokens; the rest is cross-entropy.",
-    ),
-    distill_temperature: float = typer.Option(
-        1.0, "--distill-temperature", help="Softmax temperature of the distillation KL."
-    ),
-    bf16: bool | None = typer.Option(
-        None, "--bf16/--no-bf16", help="bf16 autocast (default: on where bf16 is fast)."
-    ),
-    save_every: int = typer.Option(50, "--save-every", help="Steps between checkpoints."),
-    log_every: int = typer.Option(5, "--log-every", help="Steps between log entries."),
-    probe_every: int = typer.Option(
-        0,
-        "--probe-every",
-        help="Steps between quality probes on calibration text (0 = off).",
-    ),
-    save_dtype: str = typer.Option(
-        "bfloat16", "--save-dtype", help="dtype of the final adapter: bfloat16 or float32."
-    ),
-    threads: int = typer.Option(0, "--threads", help=THREADS_HELP),
-    resume: bool = typer.Option(False, "--resume", help="Continue the run in --out."),
-    as_json: bool = typer.Option(False, "--json", help="Print training.json to stdout."),
+    out: OutDir,
+    model: Model = "smollm2-135m",
+    method: TrainMethod = "speed:lcut=22,anchors=bos",
+    data: Annotated[str, typer.Option("--data", help=DATA_HELP)] = "builtin",
+    lora_r: LoraRank = 16,
+    lora_alpha: Annotated[
+        int, typer.Option("--lora-alpha", help="LoRA alpha (scale alpha/r).")
+    ] = 32,
+    lora_dropout: Annotated[float, typer.Option("--lora-dropout", help="LoRA dropout.")] = 0.0,
+    target_modules: Annotated[
+        Sequence[str],
+        parsed_option(
+            "--target-modules",
+            parse=_modules,
+            metavar="NAMES",
+            help="Comma-separated module names that get LoRA adapters.",
+        ),
+    ] = "q_proj,k_proj,v_proj,o_proj,gate_proj,up_proj,down_proj",
+    lr: Annotated[float, typer.Option("--lr", help="Peak learning rate (AdamW).")] = 5e-4,
+    steps: Annotated[
+        int | None,
+        typer.Option("--steps", help="Optimizer steps (default: --epochs passes over the data)."),
+    ] = None,
+    epochs: Annotated[
+        float, typer.Option("--epochs", help="Passes over the data if no --steps.")
+    ] = 1.0,
+    examples: Annotated[
+        int | None,
+        typer.Option(
+            "--examples",
+            help="Records in the built-in mix (default: steps x batch x grad-accum, or 500).",
+        ),
+    ] = None,
+    seq_len: Annotated[int, typer.Option("--seq-len", help="Longest example in tokens.")] = 2048,
+    batch: Annotated[int, typer.Option("--batch", help="Examples per device per micro-step.")] = 1,
+    grad_accum: Annotated[
+        int, typer.Option("--grad-accum", help="Micro-steps per optimizer step.")
+    ] = 1,
+    warmup_steps: Annotated[int, typer.Option("--warmup-steps", help="Linear warm-up steps.")] = 10,
+    seed: Seed = 0,
+    distill: Distill = 0.0,
+    distill_temperature: Annotated[
+        float,
+        typer.Option("--distill-temperature", help="Softmax temperature of the distillation KL."),
+    ] = 1.0,
+    bf16: Bf16 = None,
+    save_every: Annotated[
+        int, typer.Option("--save-every", help="Steps between checkpoints.")
+    ] = 50,
+    log_every: Annotated[int, typer.Option("--log-every", help="Steps between log entries.")] = 5,
+    probe_every: Annotated[
+        int,
+        typer.Option(
+            "--probe-every", help="Steps between quality probes on calibration text (0 = off)."
+        ),
+    ] = 0,
+    save_dtype: Annotated[
+        str,
+        typer.Option("--save-dtype", help="dtype of the final adapter: bfloat16 or float32."),
+    ] = "bfloat16",
+    device: Device = "auto",
+    threads: Threads = 0,
+    resume: Annotated[bool, typer.Option("--resume", help="Continue the run in --out.")] = False,
+    as_json: AsJson = False,
 ) -> None:
     """SPEED-aware LoRA fine-tuning: prompt positions shallow, response positions deep,
-    loss on the response. Scales to several GPUs with `accelerate launch`."""
-    from speedkv.train.forward import check_trainable
+    loss on the response. The run (adapter, checkpoints, training.json) goes to --out, where
+    --resume continues it. Scales to several GPUs with `accelerate launch`."""
+    from speedkv.train.data import parse_mix
     from speedkv.train.trainer import TrainConfig, log, run_training
 
-    check_trainable(method)  # bad specs fail before anything loads
+    if device not in ("auto", "cpu", "cuda"):
+        raise UserError(
+            f"training runs on auto, cpu or cuda (under `accelerate launch` each process takes "
+            f"its own GPU), got '{device}'"
+        )
     config = TrainConfig(
         out=str(out),
         model=model,
-        method=method,
+        method=method.text,
         data=data,
         lora_r=lora_r,
         lora_alpha=lora_alpha,
         lora_dropout=lora_dropout,
-        target_modules=_modules(target_modules),
+        target_modules=list(target_modules),
         lr=lr,
         steps=steps,
         epochs=epochs,
@@ -122,15 +181,16 @@ def train(
         seed=seed,
         distill=distill,
         distill_temperature=distill_temperature,
-        bf16=_bf16_default(bf16),
+        bf16=_bf16_default(bf16, device),
         save_every=save_every,
         log_every=log_every,
         probe_every=probe_every,
         save_dtype=save_dtype,
     ).validate()
+    if parse_mix(data) is None:  # a .jsonl file: unreadable or binary fails before any loading
+        read_text_file(Path(data), "data file")
     set_threads(threads)
-    command = command_line()
-    record = run_training(config, resume=resume, command=command)
+    record = run_training(config, resume=resume, command=command_line(), device=device)
     if as_json:
         print(json.dumps(record, indent=2))
         return
@@ -144,14 +204,21 @@ def train(
 
 @commands.command("train-compare")
 def train_compare(
-    runs: list[Path] = typer.Argument(
-        ..., help="Run directories (finished or still running) or shipped adapter folders."
-    ),
-    plot: Path | None = typer.Option(None, "--plot", help="Write the curves to this PNG."),
-    x_axis: str = typer.Option(
-        "minutes", "--x", help="x axis of the plot: 'minutes' (training wall time) or 'step'."
-    ),
-    as_json: bool = typer.Option(False, "--json", help="Print JSON."),
+    runs: Annotated[
+        list[Path],
+        typer.Argument(
+            help="Run directories (finished or still running) or shipped adapter folders."
+        ),
+    ],
+    plot: Annotated[
+        Path | None,
+        typer.Option("--plot", metavar="FILE", help="Write the curves to this PNG."),
+    ] = None,
+    x_axis: Annotated[
+        str,
+        typer.Option("--x", help="x axis of the plot: 'minutes' (training wall time) or 'step'."),
+    ] = "minutes",
+    as_json: AsJson = False,
 ) -> None:
     """Quality against training time: the probe points of several runs side by side."""
     from speedkv.train.compare import X_AXES, probe_table, run_probes
@@ -174,38 +241,35 @@ def train_compare(
 
 @commands.command("train-bench")
 def train_bench(
-    model: str = typer.Option("smollm2-135m", "--model", "-m", help=MODEL_HELP),
-    methods: str = typer.Option(
-        "speed:lcut=22,anchors=bos",
-        "--methods",
-        help="Method specs separated by ';' (full or speed); full is always measured first.",
-    ),
-    seq_len: int = typer.Option(
-        2048, "--seq-len", help="Tokens per example (the longest, with --mix)."
-    ),
-    response_len: int = typer.Option(
-        128, "--response-len", help="Response tokens per example (not with --mix)."
-    ),
-    mix: bool = typer.Option(
-        False, "--mix", help="Measure on built-in mix records instead of fixed-length text."
-    ),
-    batch: int = typer.Option(2, "--batch", help="Examples in the measured batch."),
-    repeats: int = typer.Option(3, "--repeats", help="Measured steps per method."),
-    distill: float = typer.Option(0.0, "--distill", help="Distillation weight, as in train."),
-    lora_r: int = typer.Option(16, "--lora-r", help="LoRA rank."),
-    seed: int = typer.Option(0, "--seed", help="Seed of the batch."),
-    bf16: bool | None = typer.Option(None, "--bf16/--no-bf16", help="bf16 autocast."),
-    threads: int = typer.Option(0, "--threads", help=THREADS_HELP),
-    as_json: bool = typer.Option(False, "--json", help="Print JSON."),
+    model: Model = "smollm2-135m",
+    methods: Methods = "speed:lcut=22,anchors=bos",
+    seq_len: Annotated[
+        int, typer.Option("--seq-len", help="Tokens per example (the longest, with --mix).")
+    ] = 2048,
+    response_len: Annotated[
+        int, typer.Option("--response-len", help="Response tokens per example (not with --mix).")
+    ] = 128,
+    mix: Annotated[
+        bool,
+        typer.Option("--mix", help="Measure on built-in mix records instead of fixed-length text."),
+    ] = False,
+    batch: Annotated[int, typer.Option("--batch", help="Examples in the measured batch.")] = 2,
+    repeats: Annotated[int, typer.Option("--repeats", help="Measured steps per method.")] = 3,
+    distill: Distill = 0.0,
+    lora_r: LoraRank = 16,
+    seed: Seed = 0,
+    bf16: Bf16 = None,
+    device: Device = "auto",
+    threads: Threads = 0,
+    as_json: AsJson = False,
 ) -> None:
     """Tokens/s of a SPEED training step against a full one on the same batch."""
-    from speedkv.cli.options import parse_methods
     from speedkv.train.data import DEFAULT_WEIGHTS, build_mix, tokenize_all
     from speedkv.train.forward import check_trainable, visibility_for
     from speedkv.train.stepbench import fixed_batch, measure_step_speed
     from speedkv.train.trainer import TrainConfig, lora_model
 
-    specs = list(dict.fromkeys(["full", *parse_methods(methods)]))
+    specs = list(dict.fromkeys(["full", *(m.text for m in methods)]))
     for spec in specs:
         check_trainable(spec)
     if repeats < 1 or batch < 1:
@@ -213,9 +277,9 @@ def train_bench(
     if not 1 <= response_len < seq_len:
         raise UserError("--response-len must be at least 1 and shorter than --seq-len")
     set_threads(threads)
-    loaded = load(model, "float32")
+    loaded = load(model, "float32", device)
     for spec in specs:
-        visibility_for(spec, loaded.shape)  # only full and speed can be trained
+        visibility_for(spec, loaded.shape)  # a cutoff the model does not have fails here
     if mix:
         weights = {k: v for k, v in DEFAULT_WEIGHTS.items() if k != "instruct"}
         records = build_mix(loaded.tokenizer, batch, weights, seq_len, seed, progress=False)
@@ -225,7 +289,7 @@ def train_bench(
     peft_model = lora_model(
         loaded.hf_model, TrainConfig(out="", lora_r=lora_r, lora_alpha=2 * lora_r)
     )
-    use_bf16 = _bf16_default(bf16)
+    use_bf16 = _bf16_default(bf16, device)
     result = measure_step_speed(peft_model, specs, examples, repeats, distill, use_bf16)
     result["model"] = loaded.name
     result["threads"] = threads

@@ -9,10 +9,10 @@ between steps; `Engine.run` and `Engine.generate` are built on it.
 
 from __future__ import annotations
 
-import copy
 import time
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
@@ -24,7 +24,8 @@ from speedkv.core.prefill import Prefill, PrefillRun
 from speedkv.core.registry import make_policy
 from speedkv.core.sampling import Sampler, SamplingParams
 from speedkv.errors import UserError
-from speedkv.hf.loading import LoadedModel
+from speedkv.hf import loading
+from speedkv.hf.loading import LoadedModel, wrap_model
 from speedkv.hf.text import Detokenizer, encode_prompt, find_stop
 
 
@@ -71,12 +72,21 @@ class TokenEvent:
 class _Sequence:
     """A running request: its cache, sampler and bookkeeping."""
 
-    def __init__(self, key: object, request: Request, policy: Policy, tokenizer, t0: float, shape):
+    def __init__(
+        self,
+        key: object,
+        request: Request,
+        policy: Policy,
+        tokenizer,
+        t0: float,
+        shape,
+        eos_ids: Iterable[int] = (),
+    ):
         self.key = key
         self.shape = shape
         self.request = request
         self.policy = policy
-        self.sampler = Sampler(request.sampling)
+        self.sampler = Sampler(request.sampling, request.ids, eos_ids)
         self.detok = Detokenizer(tokenizer) if tokenizer is not None else None
         self.t0 = t0
         self.cache: KVCache | None = None
@@ -126,6 +136,16 @@ class Engine:
         self.tokenizer = model.tokenizer
         self.chunk_size = chunk_size
         self.eos_ids = model.eos_token_ids()
+        self._companions: dict[str, Engine] = {}
+
+    @classmethod
+    def from_hf(
+        cls, model: torch.nn.Module, tokenizer: object | None = None, **engine_kwargs: Any
+    ) -> Engine:
+        """An engine for a transformers causal LM you already have, without our loader. The
+        model is put in eval mode without gradients; without a tokenizer, requests take token
+        ids. `engine_kwargs` are Engine's (chunk_size, ...)."""
+        return cls(wrap_model(model, tokenizer), **engine_kwargs)
 
     @property
     def device(self) -> torch.device:
@@ -135,6 +155,17 @@ class Engine:
         """The same model cut after its first `depth` layers (final norm and head on top):
         an early-exit probe or speculator that shares every weight."""
         return Engine(self.model, self.chunk_size, depth)
+
+    def companion(self, name_or_path: str) -> Engine:
+        """An engine for another model a method needs (SpecPrefill's speculator): an embedded
+        name, an HF directory or a GGUF file, in this engine's dtype and on its device.
+        Loaded on first use and kept for this engine's lifetime."""
+        if name_or_path not in self._companions:
+            model = loading.load_model(
+                name_or_path, dtype=self.backbone.dtype, device=self.device, progress=False
+            )
+            self._companions[name_or_path] = Engine(model, self.chunk_size)
+        return self._companions[name_or_path]
 
     # -- the two phases ----------------------------------------------------------------------
     @torch.inference_mode()
@@ -252,10 +283,14 @@ class Engine:
         return Request(encoded.ids, policy, sampling or SamplingParams(), encoded.header_tokens)
 
     def generate_text(
-        self, prompt: str, method: str | Policy = "full", chat: bool = True, **sampling
+        self, prompt: str, method: str | Policy = "full", chat: bool = True, **sampling: Any
     ) -> Generation:
-        req = self.request(prompt, method, chat, SamplingParams(**sampling))
-        return self.generate([req])[0]
+        """Generate for prompt text. `sampling` takes transformers `generate`-style arguments
+        (do_sample, temperature, top_k, top_p, max_new_tokens, min_new_tokens,
+        repetition_penalty, stop_strings, ...) with their HF meaning; see
+        SamplingParams.from_generate_args for the exact mapping."""
+        params = SamplingParams.from_generate_args(**sampling)
+        return self.generate([self.request(prompt, method, chat, params)])[0]
 
 
 class Batch:
@@ -277,7 +312,15 @@ class Batch:
         or from now."""
         engine = self.engine
         t0 = time.perf_counter() if since is None else since
-        seq = _Sequence(key, request, copy.copy(request.policy), engine.tokenizer, t0, engine.shape)
+        seq = _Sequence(
+            key,
+            request,
+            request.policy.fresh(),
+            engine.tokenizer,
+            t0,
+            engine.shape,
+            engine.eos_ids,
+        )
         done = engine.prefill(
             request.ids, seq.policy, request.sampling.max_new_tokens - 1, request.header_tokens
         )

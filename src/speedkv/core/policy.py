@@ -73,9 +73,23 @@ class LayerView(Protocol):
 
 
 class Policy:
-    """Full attention. Subclasses override the hooks their method changes."""
+    """Full attention. Subclasses override the hooks their method changes.
+
+    A policy instance serves one sequence at a time. What it learns about that sequence
+    (prompt length, scores, selections) lives on the instance, set in `select_prompt` or
+    `begin`; its configuration (`config`, resolved by the constructor, and `shape`) never
+    changes. The engine and the evaluation run every sequence on its own `fresh()` copy, so
+    one configured policy can be handed to many requests.
+    """
 
     name: ClassVar[str] = "full"
+    # Specs at which the method must equal full attention exactly (same tokens, logits to float
+    # tolerance). The tests check each one, and its canonical-spec round trip, for every
+    # registered method, so every method declares its own right after `name` (an empty tuple
+    # says that no setting reduces to full). Placeholders, filled in for the model and prompt
+    # under test: {L} = the model's layer count, {T} = prompt + new tokens (a token budget
+    # that covers everything the cache will ever hold).
+    degenerate_specs: ClassVar[tuple[str, ...]] = ("full",)
 
     @dataclass
     class Config:
@@ -84,6 +98,10 @@ class Policy:
     def __init__(self, config: Any, shape: ModelShape):
         self.config = config
         self.shape = shape
+
+    def fresh(self) -> Policy:
+        """A new instance for one sequence, from the same resolved config and shape."""
+        return type(self)(dataclasses.replace(self.config), self.shape)
 
     # -- identity ------------------------------------------------------------------------------
     def spec(self) -> str:
@@ -97,6 +115,11 @@ class Policy:
     def summary(self) -> dict:
         """What the method kept or chose for the last prompt, for reports (JSON-able)."""
         return {}
+
+    def external_models(self) -> list[str]:
+        """Models other than the engine's own that the method would load (embedded names,
+        HF directories or GGUF files): a server refuses them in per-request methods."""
+        return []
 
     # -- before prefill ----------------------------------------------------------------------
     def select_prompt(self, prompt: PromptInfo, engine: Any) -> Selection | None:

@@ -6,6 +6,8 @@ ask it for a method."""
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 from speedkv.core.policy import Policy
 from speedkv.core.spec import parse_config, split_spec
 from speedkv.errors import UserError
@@ -30,8 +32,36 @@ def method_class(name: str) -> type[Policy]:
     return _REGISTRY[name]
 
 
-def make_policy(spec: str, shape: ModelShape) -> Policy:
-    """Parse a spec and bind it to a model: the one entry point faces and tools use."""
-    name, options = split_spec(spec)
+# -- specs -----------------------------------------------------------------------------------
+# They live here rather than in spec.py: checking a spec needs the registry, which needs spec.py.
+@dataclass(frozen=True)
+class MethodSpec:
+    """A method spec checked as far as it can be without a model (syntax, method name, option
+    names and types): parse it once, bind it to each model it runs on."""
+
+    text: str  # as the user wrote it
+    cls: type[Policy]
+    options: tuple[tuple[str, str], ...] = ()  # (key, value) as written
+
+    @property
+    def name(self) -> str:
+        return self.cls.name
+
+    def bind(self, shape: ModelShape) -> Policy:
+        """A policy for a model of this shape, on a fresh Config (policies resolve their
+        defaults into it, so no two share one)."""
+        return self.cls(parse_config(self.cls, dict(self.options)), shape)
+
+
+def parse_spec(text: str) -> MethodSpec:
+    """Check a spec as far as it can be without a model; UserError says what is wrong."""
+    name, options = split_spec(text)
     cls = method_class(name)
-    return cls(parse_config(cls, options), shape)
+    parse_config(cls, options)  # unknown options and ill-typed values fail here, not at bind
+    return MethodSpec(text.strip(), cls, tuple(options.items()))
+
+
+def make_policy(spec: str | MethodSpec, shape: ModelShape) -> Policy:
+    """Parse a spec (unless it is parsed already) and bind it to a model: the one entry point
+    faces and tools use."""
+    return (spec if isinstance(spec, MethodSpec) else parse_spec(spec)).bind(shape)

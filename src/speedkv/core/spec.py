@@ -1,5 +1,6 @@
 """The method spec syntax: `name:key=value,key=value`, parsed into a method's Config and
-formatted back (the canonical spec)."""
+formatted back (the canonical spec). Checking a whole spec against the registry of methods,
+once, is `core.registry.parse_spec` (a MethodSpec)."""
 
 from __future__ import annotations
 

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 
 from speedkv.errors import UserError
 from speedkv.hf.text import EncodedPrompt, encode_prompt
-from speedkv.prompts.haystack import haystack_text, sentences, split_names
+from speedkv.prompts.haystack import haystack_text, sentences
 
 
 @dataclass(frozen=True)
@@ -36,13 +36,6 @@ def plant_all(haystack: str, facts: list[Fact]) -> str:
         if index < len(parts):
             out.append(parts[index])
     return " ".join(out)
-
-
-def sentence_count(split: str) -> int:
-    """How many sentences the split's essays hold: the range of haystack start offsets."""
-    from speedkv.prompts.haystack import essays
-
-    return sum(len(sentences(essays()[name])) for name in split_names(split))
 
 
 def fit_prompt(

@@ -22,9 +22,8 @@ import torch
 
 from speedkv.core.engine import Engine
 from speedkv.core.policy import Policy
-from speedkv.errors import UserError
-from speedkv.evals.documents import sentence_count
-from speedkv.prompts.haystack import haystack_text
+from speedkv.prompts.builders import raw_passage
+from speedkv.prompts.haystack import sentence_count
 
 DEFAULT_TOKENS = 64
 
@@ -44,11 +43,8 @@ def build_sample(
     length), cut into a `length`-token prompt and the `tokens` that follow it."""
     rng = random.Random(f"{seed}/fidelity/{index}")
     start = rng.randrange(sentence_count(split))
-    text = haystack_text(tokenizer, length + tokens + 64, split=split, start=start)
-    ids = list(tokenizer(text, add_special_tokens=True)["input_ids"])
-    if len(ids) < length + tokens:
-        raise UserError(f"the {split} essays are too short for a {length}+{tokens} token passage")
-    return FidelitySample(index, start, ids[:length], ids[length : length + tokens])
+    ids = raw_passage(tokenizer, length + tokens, split, start)
+    return FidelitySample(index, start, ids[:length], ids[length:])
 
 
 @torch.inference_mode()

@@ -25,8 +25,9 @@ import re
 import string
 from dataclasses import dataclass
 
-from speedkv.evals.documents import Fact, fit_prompt, minimum_length, plant_all, sentence_count
+from speedkv.evals.documents import Fact, fit_prompt, minimum_length, plant_all
 from speedkv.hf.text import EncodedPrompt
+from speedkv.prompts.haystack import sentence_count
 
 NEEDLE_TASKS = ("niah", "niah_multikey", "niah_multivalue", "vt")
 MAX_NEW_TOKENS = {"niah": 40, "niah_multikey": 40, "niah_multivalue": 64, "vt": 64}

@@ -9,7 +9,6 @@ records as an uninterrupted one. Records are appended to `records.jsonl` as they
 
 from __future__ import annotations
 
-import copy
 import json
 import math
 import time
@@ -79,9 +78,9 @@ class EvalRunner:
             raise UserError(f"unknown task '{unknown[0]}'; tasks: {', '.join(TASKS)}")
         for task, count in cfg.n.items():
             if count < 1:
-                raise UserError(f"--n must be at least 1 sample, got {count} for {task}")
+                raise UserError(f"--samples must be at least 1 sample, got {count} for {task}")
         if cfg.fidelity_tokens < 1:
-            raise UserError(f"fidelity-tokens must be at least 1, got {cfg.fidelity_tokens}")
+            raise UserError(f"continuation-tokens must be at least 1, got {cfg.fidelity_tokens}")
         if any(not 0.0 <= d <= 1.0 for d in cfg.depths) or not cfg.depths:
             raise UserError(f"depths must be fractions between 0 and 1, got {cfg.depths}")
         if not any(t != "sanity" for t in cfg.tasks):
@@ -214,7 +213,7 @@ class EvalRunner:
             found = lines[0].get("header") if lines else "none"
             raise UserError(
                 f"{path} was made with other settings ({found}); use another --out, or the "
-                "same model, dtype, seed, split, depths and fidelity-tokens"
+                "same model, dtype, seed, split, depths and continuation-tokens"
             )
         return lines[1:]
 
@@ -288,7 +287,7 @@ class EvalRunner:
             }
 
     def _logprobs(self, method: str, sample: fidelity.FidelitySample) -> torch.Tensor:
-        policy = copy.copy(self.policies[method])  # per-prompt state stays with this prompt
+        policy = self.policies[method].fresh()  # per-prompt state stays with this prompt
         return fidelity.teacher_forced_logprobs(
             self.engine, sample.prompt, sample.continuation, policy
         )
@@ -351,8 +350,8 @@ class EvalRunner:
 
     def _measure_full(self, length: int, steps: int) -> tuple[float, float]:
         ids = fidelity.build_sample(self.model.tokenizer, length, steps, 0, 0, self.config.split)
-        policy = copy.copy(self.policies[FULL])
-        self.engine.prefill(ids.prompt[:32], copy.copy(policy))  # warm-up
+        policy = self.policies[FULL].fresh()
+        self.engine.prefill(ids.prompt[:32], policy.fresh())  # warm-up
         t0 = time.perf_counter()
         done = self.engine.prefill(ids.prompt, policy, spare=steps)
         t1 = time.perf_counter()

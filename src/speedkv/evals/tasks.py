@@ -17,7 +17,7 @@ DESCRIPTIONS = {
     "against full",
     "sanity": "short instructions: greedy answer identical to full's",
 }
-# Samples per task and length when --n does not say: sized so that the full docs/results.md
+# Samples per task and length when --samples does not say: sized so that the full docs/results.md
 # sweep (17 methods, 2K and 4K) stays within about two hours on a 2-core CPU.
 DEFAULT_N = {
     "niah": 10,
@@ -64,7 +64,7 @@ def parse_n(text: str | None, tasks: list[str]) -> dict[str, int]:
         task, eq, value = (s.strip() for s in part.partition("="))
         if not eq or task not in TASKS:
             raise UserError(
-                f"--n must be a count or task=count pairs separated by commas, got '{text}'"
+                f"--samples must be a count or task=count pairs separated by commas, got '{text}'"
             )
         if task in counts:
             counts[task] = _count(value, text)
@@ -75,9 +75,9 @@ def _count(value: str, text: str) -> int:
     try:
         n = int(value)
     except ValueError as err:
-        raise UserError(f"--n must be a whole number of samples, got '{text}'") from err
+        raise UserError(f"--samples must be a whole number of samples, got '{text}'") from err
     if n < 1:
-        raise UserError(f"--n must be at least 1 sample, got '{text}'")
+        raise UserError(f"--samples must be at least 1 sample, got '{text}'")
     return n
 
 

@@ -45,9 +45,11 @@ def read_adapter_info(adapter_dir: str | Path) -> dict:
     if not info.is_file():
         return {}
     try:
-        return json.loads(info.read_text())
+        return json.loads(info.read_bytes())
     except json.JSONDecodeError as err:
         raise UserError(f"'{info}' is not valid JSON ({err.msg})") from None
+    except UnicodeDecodeError:
+        raise UserError(f"'{info}' is not valid JSON (it is not UTF-8 text)") from None
 
 
 def apply_adapter(loaded: LoadedModel, adapter_dir: str | Path) -> LoadedModel:

@@ -107,6 +107,21 @@ class LoadedModel:
         return eos_token_ids(self.tokenizer, self.hf_model.config, gen)
 
 
+def wrap_model(
+    hf_model: torch.nn.Module,
+    tokenizer: object | None = None,
+    name: str | None = None,
+    source: str = "memory",
+) -> LoadedModel:
+    """A transformers causal LM (and its tokenizer, if any) ready for the engine: put in eval
+    mode without gradients, in place. An unsupported architecture raises a UserError."""
+    hf_model.eval()
+    hf_model.requires_grad_(False)
+    config = hf_model.config
+    label = name or getattr(config, "name_or_path", "") or config.model_type
+    return LoadedModel(name=label, hf_model=hf_model, tokenizer=tokenizer, source=source)
+
+
 def dtype_name(dtype: torch.dtype) -> str:
     """'bfloat16' for torch.bfloat16: how reports and JSON name a dtype."""
     return str(dtype).removeprefix("torch.")
@@ -173,11 +188,9 @@ def load_model(
     if not config_path.exists():
         raise UserError(f"'{directory}' is not a model directory: it has no config.json")
     check_supported(json.loads(config_path.read_text()).get("model_type", "unknown"))
-    hf_model = AutoModelForCausalLM.from_pretrained(directory, dtype=torch_dtype)
-    hf_model.to(dev).eval()
-    hf_model.requires_grad_(False)
+    hf_model = AutoModelForCausalLM.from_pretrained(directory, dtype=torch_dtype).to(dev)
     tokenizer = AutoTokenizer.from_pretrained(directory)
-    return LoadedModel(name=label, hf_model=hf_model, tokenizer=tokenizer, source=str(directory))
+    return wrap_model(hf_model, tokenizer, label, str(directory))
 
 
 def _hf_directory(name_or_path: str, progress: bool) -> tuple[Path, str]:

@@ -25,21 +25,23 @@ from dataclasses import dataclass
 
 import torch
 
-from speedkv.core.policy import LayerView, Policy, PromptInfo, Stream
+from speedkv.core.policy import LayerView, PromptInfo, Stream
 from speedkv.core.registry import register
-from speedkv.methods.common import (
+from speedkv.methods.common import resolve_layer
+from speedkv.methods.retention import (
+    ScoredRetention,
     check_window_options,
-    keep_per_head,
+    keep_mask,
     layer_window_scores,
-    resolve_layer,
     window_budget,
 )
-from speedkv.methods.scoring import budget, check_budget, top_plus_window
+from speedkv.methods.scoring import budget, check_budget, group_heads
 
 
 @register
-class FastKV(Policy):
+class FastKV(ScoredRetention):
     name = "fastkv"
+    degenerate_specs = ("fastkv:tsp_rate=1,retain=1", "fastkv:tsp_layer=5,tsp_rate={T},retain={T}")
 
     @dataclass
     class Config:
@@ -74,20 +76,18 @@ class FastKV(Policy):
         if layer == cfg.tsp_layer:
             keep = window_budget(cfg.tsp_rate, self.n, cfg.window, "tsp_rate")
             if keep < n:
-                index = top_plus_window(self.scores.sum(0, keepdim=True), keep, n)[0]
-                self.selected = torch.zeros(n, dtype=torch.bool, device=self.scores.device)
-                self.selected[index] = True
+                self.selected = keep_mask(self.scores.sum(0), keep, n)
 
     def computed(self, layer: int, stream: Stream) -> torch.Tensor | None:
         return self.selected if layer == self.config.tsp_layer + 1 else None
 
     def kept(self, layer: int, view: LayerView) -> torch.Tensor | None:
         n = view.kv.length
-        keep = self.retained(layer, n)
-        self.kept_per_layer.append(min(keep, n))
-        if keep >= n:
-            return None
-        return keep_per_head(self.scores, keep, n, self.shape.num_kv_heads)
+        self.kept_per_layer.append(min(self.retained(layer, n), n))
+        return super().kept(layer, view)
+
+    def entry_scores(self, layer: int, view: LayerView) -> torch.Tensor:
+        return group_heads(self.scores, self.shape.num_kv_heads)  # observed with the layer
 
     def retained(self, layer: int, n: int) -> int:
         """Entries layer `layer` keeps out of its n (never fewer than the window)."""

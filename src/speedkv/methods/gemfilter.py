@@ -29,6 +29,7 @@ from speedkv.methods.scoring import budget, check_budget, pool1d
 @register
 class GemFilter(Policy):
     name = "gemfilter"
+    degenerate_specs = ("gemfilter:retain=1,filter_layer=5",)
 
     @dataclass
     class Config:

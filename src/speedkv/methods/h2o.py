@@ -15,14 +15,20 @@ real and shows in its TTFT.
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 
 import torch
 
 from speedkv.core.policy import LayerView, Policy, PromptInfo
 from speedkv.core.registry import register
-from speedkv.methods.scoring import attention_probs, budget, check_budget, group_heads
+from speedkv.methods.scoring import (
+    attention_probs,
+    attention_received,
+    budget,
+    check_budget,
+    group_heads,
+    top_plus_window,
+)
 
 _ALL = 1 << 30
 
@@ -30,6 +36,7 @@ _ALL = 1 << 30
 @register
 class H2O(Policy):
     name = "h2o"
+    degenerate_specs = ("h2o:heavy=1,recent=1", "h2o:heavy={T},recent=4")
 
     @dataclass
     class Config:
@@ -57,22 +64,12 @@ class H2O(Policy):
     def kept(self, layer: int, view: LayerView) -> torch.Tensor | None:
         q, q_pos = view.queries()
         k_pos = view.kv.positions()[0]
-        accumulated = torch.zeros(self.shape.num_heads, k_pos.numel(), device=q.device)
-        for start in range(0, q.shape[1], 256):  # column sums, one query chunk at a time
-            probs = attention_probs(
-                q[:, start : start + 256], q_pos[start : start + 256], view.kv.keys(), k_pos
-            )
-            accumulated += probs.sum(1)
-        accumulated = group_heads(accumulated, self.shape.num_kv_heads)  # [Hkv, n]
+        received = attention_received(q, q_pos, view.kv.keys(), k_pos)
+        accumulated = group_heads(received, self.shape.num_kv_heads)  # [Hkv, n]
         n = k_pos.numel()
         heavy, recent = self.budgets(self.n)
-        if heavy + recent >= n:
-            index = torch.arange(n, device=q.device).expand(accumulated.shape[0], n)
-        else:
-            older = accumulated[:, : n - recent]
-            chosen = torch.topk(older, heavy, dim=-1).indices
-            tail = torch.arange(n - recent, n, device=q.device).expand(accumulated.shape[0], recent)
-            index = torch.cat([chosen, tail], -1).sort(-1).values
+        # the heavy hitters among the older entries, and the recent ones
+        index = top_plus_window(accumulated[:, : n - recent], heavy + recent, n)
         spare = view.kv.capacity - n
         scores = torch.zeros(accumulated.shape[0], index.shape[1] + spare, device=q.device)
         scores[:, : index.shape[1]] = torch.gather(accumulated, 1, index)
@@ -87,10 +84,8 @@ class H2O(Policy):
         if scores.shape[1] < n:  # more tokens than reserved for
             scores = torch.cat([scores, scores.new_zeros(scores.shape[0], n)], 1)
             self.scores[layer] = scores
-        group = q.shape[0] // kv.k.shape[0]
-        keys = kv.keys().float().repeat_interleave(group, 0)
-        logits = torch.matmul(q.float(), keys.transpose(1, 2))[:, 0] / math.sqrt(q.shape[-1])
-        scores[:, :n] += group_heads(torch.softmax(logits, -1), kv.k.shape[0])
+        probs = attention_probs(q, None, kv.keys(), None)[:, 0]  # every entry is earlier
+        scores[:, :n] += group_heads(probs, kv.k.shape[0])
         seen = int(kv.pos[0, n - 1]) + 1
         heavy, recent = self.budgets(seen)
         if n <= heavy + recent:

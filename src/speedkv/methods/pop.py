@@ -23,6 +23,7 @@ from speedkv.methods.common import LastTokenContinues
 @register
 class Pop(LastTokenContinues):
     name = "pop"
+    degenerate_specs = ("pop:lcut={L}",)
 
     @dataclass
     class Config:

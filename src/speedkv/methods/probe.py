@@ -3,8 +3,6 @@ run a model, or the first layers of one, and record queries and keys along the w
 
 from __future__ import annotations
 
-import math
-
 import torch
 
 from speedkv.core.engine import Engine
@@ -23,6 +21,9 @@ class QueryRecorder(Policy):
         self.prompt_queries: dict[int, torch.Tensor] = {}  # layer -> [Hq, 1, D]
         self.prompt_keys: dict[int, torch.Tensor] = {}  # layer -> [Hkv, n, D]
         self.decode_queries: dict[int, list[torch.Tensor]] = {layer: [] for layer in layers}
+
+    def fresh(self) -> QueryRecorder:
+        return QueryRecorder(self.shape, self.layers)
 
     def query_window(self, layer: int) -> int:
         return 1 if layer in self.layers else 0
@@ -66,12 +67,3 @@ def record(
 def step_queries(recorder: QueryRecorder, layer: int) -> list[torch.Tensor]:
     """The recorded queries of `layer`: the last prompt row's, then one per look-ahead step."""
     return [recorder.prompt_queries[layer], *recorder.decode_queries[layer]]
-
-
-def prompt_attention(q: torch.Tensor, keys: torch.Tensor) -> torch.Tensor:
-    """softmax over the prompt keys of one token's query: q [Hq, 1, D], keys [Hkv, n, D] ->
-    [Hq, n] float32 (grouped heads expanded)."""
-    group = q.shape[0] // keys.shape[0]
-    k = keys.float().repeat_interleave(group, 0)
-    scores = torch.matmul(q.float(), k.transpose(1, 2))[:, 0] / math.sqrt(q.shape[-1])
-    return torch.softmax(scores, -1)

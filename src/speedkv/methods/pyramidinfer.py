@@ -24,12 +24,14 @@ import torch
 from speedkv.core.policy import LayerView, Policy, PromptInfo, Stream
 from speedkv.core.registry import register
 from speedkv.errors import UserError
+from speedkv.methods.retention import keep_mask
 from speedkv.methods.scoring import attention_probs, budget, check_budget
 
 
 @register
 class PyramidInfer(Policy):
     name = "pyramidinfer"
+    degenerate_specs = ("pyramidinfer:decay=1",)
 
     @dataclass
     class Config:
@@ -83,10 +85,7 @@ class PyramidInfer(Policy):
         weights = torch.linspace(1.0, self.config.distance_weight, q.shape[1], device=q.device)
         scores = (probs * weights[None, :, None]).mean(1).mean(0)
         scores[k_pos[:context] < self.config.sink] = float("inf")
-        chosen = torch.topk(scores, keep).indices
-        self.selected = torch.zeros(n, dtype=torch.bool, device=q.device)
-        self.selected[chosen] = True
-        self.selected[context:] = True
+        self.selected = keep_mask(scores, keep + n - context, n)  # the recent rows stay too
 
     def computed(self, layer: int, stream: Stream) -> torch.Tensor | None:
         return self.selected if layer > 0 else None

@@ -36,23 +36,48 @@ def scaled_layer(reference_layer: int, num_layers: int, reference_depth: int = 3
 
 
 def attention_probs(
-    q: torch.Tensor, q_pos: torch.Tensor, k: torch.Tensor, k_pos: torch.Tensor, chunk: int = 256
+    q: torch.Tensor,
+    q_pos: torch.Tensor | None,
+    k: torch.Tensor,
+    k_pos: torch.Tensor | None,
+    chunk: int = 256,
 ) -> torch.Tensor:
-    """softmax(q k^T / sqrt(d)) with causal masking by position, float32.
+    """softmax(q k^T / sqrt(d)) of every query over the keys, float32.
 
-    q: [Hq, w, D] post-rotary queries; k: [Hkv, n, D] (grouped heads expanded); positions are
-    absolute. Returns [Hq, w, n]. Queries go through in chunks to bound memory.
+    q: [Hq, w, D] post-rotary queries; k: [Hkv, n, D] (grouped heads expanded). With absolute
+    positions q_pos [w] and k_pos [n], keys after a query are masked out; with None for both,
+    every key is visible (a query that comes after all of them). Returns [Hq, w, n]. Queries
+    go through in chunks to bound memory.
     """
+    return torch.cat(list(_probs_by_chunk(q, q_pos, k, k_pos, chunk)), 1)
+
+
+def attention_received(
+    q: torch.Tensor,
+    q_pos: torch.Tensor | None,
+    k: torch.Tensor,
+    k_pos: torch.Tensor | None,
+    chunk: int = 256,
+) -> torch.Tensor:
+    """The attention each key receives, summed over the queries: `attention_probs` summed
+    over its query axis, [Hq, n], without ever holding more than one chunk of it."""
+    total = torch.zeros(q.shape[0], k.shape[1], device=q.device)
+    for probs in _probs_by_chunk(q, q_pos, k, k_pos, chunk):
+        total += probs.sum(1)
+    return total
+
+
+def _probs_by_chunk(q, q_pos, k, k_pos, chunk: int):
     group = q.shape[0] // k.shape[0]
     keys = k.float().repeat_interleave(group, 0) if group > 1 else k.float()
     scale = 1.0 / math.sqrt(q.shape[-1])
-    out = []
     for start in range(0, q.shape[1], chunk):
         qc = q[:, start : start + chunk].float()
         scores = torch.matmul(qc, keys.transpose(1, 2)) * scale
-        future = k_pos[None, :] > q_pos[start : start + chunk, None]
-        out.append(torch.softmax(scores.masked_fill(future, float("-inf")), -1))
-    return torch.cat(out, 1)
+        if q_pos is not None:
+            future = k_pos[None, :] > q_pos[start : start + chunk, None]
+            scores = scores.masked_fill(future, float("-inf"))
+        yield torch.softmax(scores, -1)
 
 
 def pool1d(scores: torch.Tensor, kernel: int, kind: str = "max") -> torch.Tensor:

@@ -17,20 +17,21 @@ from dataclasses import dataclass
 
 import torch
 
-from speedkv.core.policy import LayerView, Policy, PromptInfo
+from speedkv.core.policy import LayerView, PromptInfo
 from speedkv.core.registry import register
-from speedkv.methods.common import (
+from speedkv.methods.retention import (
+    ScoredRetention,
     check_window_options,
-    keep_per_head,
     layer_window_scores,
     window_budget,
 )
-from speedkv.methods.scoring import check_budget
+from speedkv.methods.scoring import check_budget, group_heads
 
 
 @register
-class SnapKV(Policy):
+class SnapKV(ScoredRetention):
     name = "snapkv"
+    degenerate_specs = ("snapkv:retain=1", "snapkv:retain={T},gqa=true")
 
     @dataclass
     class Config:
@@ -52,16 +53,13 @@ class SnapKV(Policy):
     def query_window(self, layer: int) -> int:
         return self.config.window
 
-    def kept(self, layer: int, view: LayerView) -> torch.Tensor | None:
+    def retained(self, layer: int, n: int) -> int:
+        return window_budget(self.config.retain, n, self.config.window, "retain")
+
+    def entry_scores(self, layer: int, view: LayerView) -> torch.Tensor:
         cfg = self.config
-        n = view.kv.length
-        keep = window_budget(cfg.retain, n, cfg.window, "retain")
-        if keep >= n:
-            return None
-        scores = layer_window_scores(view, cfg.window, cfg.kernel, cfg.pool)
-        return keep_per_head(scores, keep, n, self.shape.num_kv_heads if cfg.gqa else None)
+        scores = layer_window_scores(view, cfg.window, cfg.kernel, cfg.pool)  # [Hq, n - w]
+        return group_heads(scores, self.shape.num_kv_heads) if cfg.gqa else scores
 
     def summary(self) -> dict:
-        cfg = self.config
-        kept = window_budget(cfg.retain, self.n, cfg.window, "retain")
-        return {"prompt_tokens": self.n, "kept": kept}
+        return {"prompt_tokens": self.n, "kept": self.retained(0, self.n)}

@@ -30,15 +30,14 @@ import torch
 from speedkv.core.policy import Policy, PromptInfo, Selection
 from speedkv.core.registry import register
 from speedkv.errors import UserError
-from speedkv.methods.probe import prompt_attention, record, step_queries
-from speedkv.methods.scoring import check_budget, pool1d
-
-_SPECULATORS: dict[tuple[str, str], object] = {}  # (name, dtype) -> loaded model, reused
+from speedkv.methods.probe import record, step_queries
+from speedkv.methods.scoring import attention_probs, check_budget, pool1d
 
 
 @register
 class SpecPrefill(Policy):
     name = "specprefill"
+    degenerate_specs = ("specprefill:keep=1",)
 
     @dataclass
     class Config:
@@ -106,29 +105,26 @@ class SpecPrefill(Policy):
         for layer in layers:
             keys = recorder.prompt_keys[layer]
             for s, q in enumerate(step_queries(recorder, layer)):
-                probs = pool1d(prompt_attention(q, keys), self.config.pool, "avg")  # [Hq, n]
+                probs = attention_probs(q, None, keys, None)[:, 0]  # [Hq, n], all earlier
+                probs = pool1d(probs, self.config.pool, "avg")
                 per_step[s] = torch.maximum(per_step[s], probs.max(0).values)
         scores = per_step.mean(0)
         if same_tokens:
             return scores
         return _spread(scores, spans, ids.numel())
 
+    def external_models(self) -> list[str]:
+        speculator = self.config.speculator
+        return [] if speculator.startswith("self:") else [speculator]
+
     def _speculator(self, engine):
         """(engine for the speculator, whether it tokenises exactly like the main model)."""
         name = self.config.speculator
         if name.startswith("self:"):
             return engine.with_depth(int(name[5:])), True
-        from speedkv.core.engine import Engine
-        from speedkv.hf.loading import load_model
-
-        key = (name, str(engine.backbone.dtype))
-        if key not in _SPECULATORS:
-            _SPECULATORS[key] = load_model(
-                name, dtype=engine.backbone.dtype, device=engine.device, progress=False
-            )
-        model = _SPECULATORS[key]
-        same = model.tokenizer.get_vocab() == engine.tokenizer.get_vocab()
-        return Engine(model, engine.chunk_size), same
+        speculator = engine.companion(name)
+        same = speculator.tokenizer.get_vocab() == engine.tokenizer.get_vocab()
+        return speculator, same
 
     def summary(self) -> dict:
         return {"prompt_tokens": self.n, "kept": self.kept_tokens}

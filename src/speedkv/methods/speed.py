@@ -15,10 +15,15 @@ upper-layer decode-phase tokens see only themselves (and the anchors), so their 
 is never cached. Position ids are never renumbered.
 
 `lcut` defaults to round(0.75 * L), the paper's operating point (24 of 32 layers).
+
+`SpeedRule` is the rule itself (which positions run full depth, what each may see); the
+policy here, the dense reference and SPEED-aware training (speedkv.analysis.dense), choose-lcut
+and the diagnostic all follow it.
 """
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 import torch
@@ -28,9 +33,76 @@ from speedkv.core.registry import register
 from speedkv.errors import UserError
 
 
+@dataclass(frozen=True)
+class SpeedRule:
+    """Which positions run which layers under SPEED, and which keys each may see.
+
+    Layers `< lcut` run every position; layers `>= lcut` run only the full-depth positions
+    (anchors, the deep suffix, every generated token), causal among themselves. lcut = the
+    model's layer count is full attention.
+    """
+
+    lcut: int  # layers every position runs
+    anchors: int = 1  # leading positions kept at full depth
+    deep: int | str = 1  # last prompt tokens kept at full depth, or "header"
+    selfonly: bool = False  # upper-layer deep tokens see only themselves and the anchors
+
+    def __post_init__(self):
+        if isinstance(self.deep, int) and self.deep < 1:
+            raise UserError(f"deep must be a token count >= 1 or 'header', got {self.deep}")
+        if isinstance(self.deep, str) and self.deep != "header":
+            raise UserError(f"deep must be a token count >= 1 or 'header', got '{self.deep}'")
+
+    @classmethod
+    def full(cls, num_layers: int) -> SpeedRule:
+        """Full attention: every position runs every layer."""
+        return cls(num_layers, anchors=0)
+
+    @classmethod
+    def of(cls, policy: Policy) -> SpeedRule:
+        """The rule a `speed` or `full` policy follows."""
+        if isinstance(policy, Speed):
+            return policy.rule
+        if policy.name == "full":
+            return cls.full(policy.shape.num_layers)
+        raise UserError(f"method '{policy.name}' has no SPEED rule; only 'full' and 'speed' do")
+
+    def at(self, lcut: int) -> SpeedRule:
+        """The same rule with another cutoff."""
+        return dataclasses.replace(self, lcut=lcut)
+
+    def deep_tokens(self, header_tokens: int | None) -> int:
+        """D for one prompt: the option, or its chat generation header's length (1 for raw
+        text)."""
+        if self.deep == "header":
+            return max(1, header_tokens or 1)
+        return int(self.deep)
+
+    def full_depth(self, positions: torch.Tensor, prompt_len: int, deep: int) -> torch.Tensor:
+        """Bool, shaped like `positions`: the anchors, the last `deep` prompt tokens and every
+        later (generated) position."""
+        return (positions < self.anchors) | (positions >= prompt_len - deep)
+
+    def visibility(self, layer: int, q_pos: torch.Tensor, k_pos: torch.Tensor) -> torch.Tensor:
+        """Bool [n_q, n_k]: the keys a query may see in `layer`, among the rows that layer
+        holds: every earlier position; in upper layers under SelfOnly a deep token sees only
+        itself and the anchors (an anchor sees what it would anyway)."""
+        causal = k_pos[None, :] <= q_pos[:, None]
+        if layer < self.lcut or not self.selfonly:
+            return causal
+        q_anchor = q_pos[:, None] < self.anchors
+        own = k_pos[None, :] == q_pos[:, None]
+        return causal & (q_anchor | own | (k_pos[None, :] < self.anchors))
+
+    def upper_visibility(self, q_pos: torch.Tensor, k_pos: torch.Tensor) -> torch.Tensor:
+        """`visibility` in the layers `>= lcut`."""
+        return self.visibility(self.lcut, q_pos, k_pos)
+
+
 @register
 class Speed(Policy):
     name = "speed"
+    degenerate_specs = ("speed:lcut={L},anchors=bos", "speed:lcut={L},anchors=none,deep=5")
 
     @dataclass
     class Config:
@@ -48,47 +120,33 @@ class Speed(Policy):
             raise UserError(
                 f"lcut must be between 0 and {layers} for this model, got {config.lcut}"
             )
-        self.num_anchors = parse_anchors(config.anchors)
-        if isinstance(config.deep, int) and config.deep < 1:
-            raise UserError(f"deep must be a token count >= 1 or 'header', got {config.deep}")
-        if isinstance(config.deep, str) and config.deep != "header":
-            raise UserError(f"deep must be a token count >= 1 or 'header', got '{config.deep}'")
-        self.deep_start = 0
+        self.rule = SpeedRule(
+            config.lcut, parse_anchors(config.anchors), config.deep, config.selfonly
+        )
+        self.prompt_len, self.deep = 0, 1  # of the sequence being prefilled (set by begin)
 
     @property
     def lcut(self) -> int:
         return self.config.lcut
 
-    def deep_tokens(self, prompt: PromptInfo) -> int:
-        """D for this prompt: the option, or the generation header's length (1 for raw text)."""
-        if self.config.deep == "header":
-            return max(1, prompt.header_tokens or 1)
-        return self.config.deep
-
     def begin(self, prompt: PromptInfo) -> None:
-        self.deep_start = max(0, prompt.n - self.deep_tokens(prompt))
-
-    def full_depth(self, pos: torch.Tensor) -> torch.Tensor:
-        """Which positions are anchors or deep-suffix tokens (bool, same shape as pos)."""
-        return (pos < self.num_anchors) | (pos >= self.deep_start)
+        self.prompt_len, self.deep = prompt.n, self.rule.deep_tokens(prompt.header_tokens)
 
     def computed(self, layer: int, stream: Stream) -> torch.Tensor | None:
         if layer < self.lcut:
             return None
-        return self.full_depth(stream.pos)
+        return self.rule.full_depth(stream.pos, self.prompt_len, self.deep)
 
     def visible(self, layer: int, q_pos: torch.Tensor, k_pos: torch.Tensor) -> torch.Tensor | None:
         if not self.config.selfonly or layer < self.lcut:
-            return None
-        # SelfOnly: a deep token sees itself and the anchors; an anchor sees what it would anyway.
-        q_anchor = q_pos[:, None] < self.num_anchors
-        return q_anchor | (k_pos[None, :] == q_pos[:, None]) | (k_pos[None, :] < self.num_anchors)
+            return None  # plain causal attention over what the layer holds
+        return self.rule.upper_visibility(q_pos, k_pos)
 
     def kept(self, layer: int, view: LayerView) -> torch.Tensor | None:
         if not self.config.selfonly or layer < self.lcut:
             return None
         # nobody will ever read an upper deep token's K/V
-        return view.kv.positions()[0] < self.num_anchors
+        return view.kv.positions()[0] < self.rule.anchors
 
     def keeps_decode_kv(self, layer: int) -> bool:
         return not (self.config.selfonly and layer >= self.lcut)

@@ -23,6 +23,7 @@ from speedkv.methods.scoring import budget, check_budget
 @register
 class StreamingLLM(Policy):
     name = "streamingllm"
+    degenerate_specs = ("streamingllm:window=1", "streamingllm:sink=0,window={T}")
 
     @dataclass
     class Config:

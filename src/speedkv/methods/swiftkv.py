@@ -25,6 +25,7 @@ from speedkv.methods.common import LastTokenContinues
 @register
 class SwiftKV(LastTokenContinues):
     name = "swiftkv"
+    degenerate_specs = ("swiftkv:k={L}", "swiftkv:k={L},acrosskv=2")
 
     @dataclass
     class Config:

@@ -9,6 +9,7 @@ from __future__ import annotations
 import hashlib
 import importlib.util
 import re
+from collections.abc import Callable
 from functools import lru_cache
 from pathlib import Path
 
@@ -65,23 +66,46 @@ def split_names(split: str) -> list[str]:
     return [name for name in essays() if split_of(name) == split]
 
 
+def sentence_pool(names: list[str] | None = None, split: str | None = None) -> list[str]:
+    """Every sentence of the chosen essays (all, a list, or a split), in order."""
+    if split is not None:
+        names = split_names(split)
+    chosen = essays() if names is None else {n: essays()[n] for n in names}
+    return [s for text in chosen.values() for s in sentences(text)]
+
+
+def sentence_count(split: str) -> int:
+    """How many sentences the split's essays hold: the range of passage start offsets."""
+    return len(sentence_pool(split=split))
+
+
+def sentence_tokens(tokenizer, sentence: str) -> int:
+    """Tokens a sentence adds to a passage, where it follows a space."""
+    return len(tokenizer(" " + sentence, add_special_tokens=False)["input_ids"])
+
+
 def haystack_text(
     tokenizer, tokens: int, names: list[str] | None = None, split: str | None = None, start: int = 0
 ) -> str:
     """Essay text of about `tokens` tokens: whole sentences of the chosen essays (all, a list,
     or a split) in order, beginning at sentence `start` and wrapping around."""
-    if split is not None:
-        names = split_names(split)
-    chosen = essays() if names is None else {n: essays()[n] for n in names}
-    pool = [s for text in chosen.values() for s in sentences(text)]
+    pool = sentence_pool(names, split)
+    return take_sentences(pool, tokens, start, lambda at: sentence_tokens(tokenizer, pool[at]))
+
+
+def take_sentences(
+    pool: list[str], tokens: int, start: int, length_of: Callable[[int], int]
+) -> str:
+    """Whole sentences of `pool` from index `start` on, wrapping around, while they total at
+    most `tokens` tokens (`length_of(index)` each); at least one sentence."""
     out: list[str] = []
     count = 0
     for step in range(len(pool)):
-        sentence = pool[(start + step) % len(pool)]
-        n = len(tokenizer(" " + sentence, add_special_tokens=False)["input_ids"])
+        at = (start + step) % len(pool)
+        n = length_of(at)
         if count + n > tokens and out:
             return " ".join(out)
-        out.append(sentence)
+        out.append(pool[at])
         count += n
     raise UserError(f"the chosen essays hold only about {count} tokens, fewer than {tokens}")
 

@@ -4,8 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from speedkv.core.registry import make_policy, method_class
-from speedkv.core.spec import split_spec
+from speedkv.core.registry import make_policy, parse_spec
 from speedkv.errors import UserError
 from speedkv.hf.backbone import ModelShape
 
@@ -24,7 +23,7 @@ class ServerConfig:
 
     def check(self) -> ServerConfig:
         """Reject settings that are wrong for any model (UserError), before one is loaded."""
-        method_class(split_spec(self.method)[0])  # an unknown name fails here
+        parse_spec(self.method)  # a malformed spec, unknown name or option fails here
         if self.max_batch < 1:
             raise UserError(f"max-batch must be at least 1, got {self.max_batch}")
         if self.max_queue < 1:

@@ -9,7 +9,6 @@ from dataclasses import dataclass
 from speedkv.core.engine import Engine, Request
 from speedkv.core.registry import make_policy
 from speedkv.core.sampling import SamplingParams
-from speedkv.core.spec import split_spec
 from speedkv.errors import UserError
 from speedkv.hf.text import encode_messages
 from speedkv.server.config import ServerConfig
@@ -135,20 +134,20 @@ class Preparer:
             return self.config.method
         param = "speedkv.method"
         try:
-            name, options = split_spec(asked)
-            # a client must not make the server read files or load other models
-            speculator = options.get("speculator", "self")
-            if speculator != "self" and not speculator.startswith("self:"):
-                raise APIError(
-                    400,
-                    "per-request methods may only use speculator=self or self:K; start the "
-                    "server with --method to use another speculator",
-                    param=param,
-                    code="invalid_method",
-                )
-            spec = make_policy(asked, self.shape).spec()
+            policy = make_policy(asked, self.shape)
         except UserError as err:
             raise APIError(400, str(err), param=param, code="invalid_method") from err
+        # a client must not make the server read files or load other models
+        others = policy.external_models()
+        if others:
+            raise APIError(
+                400,
+                f"per-request methods may only use the served model, but '{asked}' would load "
+                f"{', '.join(others)}; start the server with --method to use another model",
+                param=param,
+                code="invalid_method",
+            )
+        spec = policy.spec()
         if self.config.fixed_method and spec != self.config.method:
             raise APIError(
                 400,

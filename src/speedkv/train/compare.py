@@ -19,14 +19,14 @@ def run_probes(run: Path) -> dict:
     its latest checkpoint's `trainer_state.json`, so that is read instead.
     """
     info_path = run / INFO_NAME
-    info = json.loads(info_path.read_text()) if info_path.is_file() else None
+    info = _read_json(info_path) if info_path.is_file() else None
     history = (info or {}).get("log_history")
     if history is None:
         checkpoint = _latest_checkpoint(run)
         if checkpoint is None:
             raise UserError(f"'{run}' holds no training run (no {INFO_NAME} and no checkpoints)")
-        history = json.loads((checkpoint / "trainer_state.json").read_text())["log_history"]
-        info = info or json.loads((checkpoint / INFO_NAME).read_text())
+        history = _read_json(checkpoint / "trainer_state.json")["log_history"]
+        info = info or _read_json(checkpoint / INFO_NAME)
     points = [
         {
             "step": int(h["step"]),
@@ -41,6 +41,15 @@ def run_probes(run: Path) -> dict:
         raise UserError(f"'{run}' has no probe points; it was trained without --probe-every")
     finished = info.get("status") == "done"
     return {"run": str(run), "method": info["method"], "finished": finished, "probes": points}
+
+
+def _read_json(path: Path) -> dict:
+    try:
+        return json.loads(path.read_bytes())
+    except (json.JSONDecodeError, UnicodeDecodeError):  # a binary file fails to decode
+        raise UserError(
+            f"'{path}' is not valid JSON; it is not what a training run wrote"
+        ) from None
 
 
 def _latest_checkpoint(run: Path) -> Path | None:

@@ -20,7 +20,8 @@ import torch
 
 from speedkv.core.spec import split_spec
 from speedkv.errors import UserError
-from speedkv.train.tasks import TASKS, TextSource
+from speedkv.prompts.builders import TextSource
+from speedkv.train.tasks import TASKS
 
 DEFAULT_WEIGHTS: dict[str, float] = {
     "needle": 0.25,

@@ -2,11 +2,12 @@
 
 One training example is a prompt followed by a response. Under SPEED the prompt positions are
 shallow (lower layers only), the anchors and the deep suffix of the prompt and every response
-position are deep, exactly as at inference. The efficient form runs the lower `lcut` layers
-over the whole sequence, then gathers the full-depth positions (with their original position
-ids) and runs the upper layers over those alone, so a SPEED step does less work than a full
-one. The layers are transformers' own (`Backbone.hf_layer`), so peft's LoRA-wrapped
-projections take part without any change.
+position are deep, exactly as at inference (`SpeedRule`; `full` is the rule with lcut = L).
+The forward is the dense SPEED reference (`speedkv.analysis.dense.speed_hidden`): the lower
+`lcut` layers over the whole sequence, then the upper layers over the gathered full-depth
+positions alone, so a SPEED step does less work than a full one. The layers are
+transformers' own (`Backbone.hf_layer`), so peft's LoRA-wrapped projections take part
+without any change.
 
 The LM head runs only on the rows that predict response tokens: on a 49K vocabulary the head
 over a whole 2K-token sequence would cost a fifth of the model and bias the speed comparison.
@@ -14,33 +15,26 @@ over a whole 2K-token sequence would cost a fifth of the model and bias the spee
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 
-from speedkv.analysis.dense import full_depth_positions
+from speedkv.analysis.dense import speed_hidden
 from speedkv.core.registry import make_policy
 from speedkv.core.spec import split_spec
 from speedkv.errors import UserError
 from speedkv.hf.backbone import Backbone, ModelShape
+from speedkv.methods.speed import SpeedRule
 
 
 @dataclass(frozen=True)
-class Visibility:
-    """Which positions run which layers during training, from a `full` or `speed` spec."""
+class Visibility(SpeedRule):
+    """A training run's SPEED rule, with the canonical spec it was parsed from (what reports
+    name and what the probe's inference policies are built from)."""
 
-    spec: str  # canonical method spec
-    lcut: int  # layers every position runs; lcut == L is full attention
-    anchors: int  # leading prompt positions kept full depth
-    deep: int | str  # last prompt tokens kept full depth, or "header"
-    selfonly: bool = False
-
-    def deep_tokens(self, header_tokens: int | None) -> int:
-        """D for one example: the option, or its chat generation header's length."""
-        if self.deep == "header":
-            return max(1, header_tokens or 1)
-        return int(self.deep)
+    spec: str = "full"
 
 
 TRAINABLE_METHODS = ("full", "speed")
@@ -60,58 +54,22 @@ def visibility_for(spec: str, shape: ModelShape) -> Visibility:
     """Parse a method spec for training; only `full` and `speed` have a training rule."""
     check_trainable(spec)
     policy = make_policy(spec, shape)
-    if policy.name == "full":
-        return Visibility(policy.spec(), shape.num_layers, 0, 1)
-    config = policy.config
-    return Visibility(policy.spec(), config.lcut, policy.num_anchors, config.deep, config.selfonly)
-
-
-def full_visibility(shape: ModelShape) -> Visibility:
-    return Visibility("full", shape.num_layers, 0, 1)
-
-
-def speed_hidden(
-    backbone: Backbone,
-    ids: torch.Tensor,
-    prompt_len: int,
-    vis: Visibility,
-    header_tokens: int | None = None,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Final-normed hidden states [m, H] at every full-depth position of `ids` [T], and
-    those positions [m]. With lcut == L every position is full depth."""
-    ids = ids.reshape(1, -1).to(backbone.device)
-    total = ids.shape[1]
-    pos = torch.arange(total, device=ids.device)
-    h = backbone.embed(ids)
-    layers = backbone.shape.num_layers
-    causal = (pos[None, :] <= pos[:, None])[None, None]
-    for layer in range(min(vis.lcut, layers)):
-        h = backbone.hf_layer(layer, h, causal, pos)
-    if vis.lcut < layers:
-        deep = vis.deep_tokens(header_tokens)
-        keep = full_depth_positions(total, prompt_len, vis.anchors, deep, ids.device)
-        h, pos = h[:, keep], pos[keep]
-        mask = pos[None, :] <= pos[:, None]
-        if vis.selfonly:  # upper-layer deep tokens see themselves and the anchors only
-            anchor_q = pos[:, None] < vis.anchors
-            mask &= anchor_q | (pos[None, :] == pos[:, None]) | (pos[None, :] < vis.anchors)
-        for layer in range(vis.lcut, layers):
-            h = backbone.hf_layer(layer, h, mask[None, None], pos)
-    return backbone.final_norm(h)[0], pos
+    rule = SpeedRule.of(policy)
+    return Visibility(**dataclasses.asdict(rule), spec=policy.spec())
 
 
 def response_logits(
     backbone: Backbone,
     ids: torch.Tensor,
     prompt_len: int,
-    vis: Visibility,
+    rule: SpeedRule,
     header_tokens: int | None = None,
 ) -> torch.Tensor:
     """Float32 logits [R, vocab] of the rows predicting the response ids[prompt_len:]: the
     last prompt token (always in the deep suffix) and every response token but the last."""
     if not 1 <= prompt_len < ids.numel():
         raise ValueError(f"prompt_len {prompt_len} leaves no prompt or no response")
-    h, pos = speed_hidden(backbone, ids, prompt_len, vis, header_tokens)
+    h, pos = speed_hidden(backbone, ids, prompt_len, rule, header_tokens)
     rows = (pos >= prompt_len - 1) & (pos < ids.numel() - 1)
     return backbone.logits(h[rows])
 
@@ -166,7 +124,7 @@ class SpeedObjective(torch.nn.Module):
         self.distill = distill
         self.temperature = temperature
         self.backbone = Backbone(peft_model.base_model.model)
-        self.full = full_visibility(self.backbone.shape)
+        self.full = SpeedRule.full(self.backbone.shape.num_layers)
 
     def forward(self, examples: list) -> dict:
         parts = [self.example_parts(example) for example in examples]

@@ -11,10 +11,11 @@ import random
 import torch
 
 from speedkv.hf.loading import LoadedModel
+from speedkv.prompts.builders import TextSource
 from speedkv.prompts.haystack import plant
 from speedkv.train.data import tokenize_record
 from speedkv.train.forward import Visibility, response_logits
-from speedkv.train.tasks import PASSKEY_FACTS, TextSource, continuation
+from speedkv.train.tasks import PASSKEY_FACTS, continuation
 
 PROBE_QUESTION = "What is the pass key?"
 

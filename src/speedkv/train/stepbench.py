@@ -15,9 +15,10 @@ import time
 import torch
 from tqdm import tqdm
 
+from speedkv.prompts.builders import raw_passage
+from speedkv.prompts.haystack import sentence_count
 from speedkv.train.data import Example
 from speedkv.train.forward import SpeedObjective, visibility_for
-from speedkv.train.tasks import TextSource
 
 
 def fixed_batch(
@@ -28,11 +29,11 @@ def fixed_batch(
     import random
 
     rng = random.Random(seed)
-    source = TextSource(tokenizer)
+    sentences = sentence_count("train")
     batch = []
     for _ in range(count):
-        ids = tokenizer(source.text(rng, seq_len + 64), add_special_tokens=True)["input_ids"]
-        ids = torch.tensor(ids[:seq_len], dtype=torch.long)
+        ids = raw_passage(tokenizer, seq_len, "train", rng.randrange(sentences))
+        ids = torch.tensor(ids, dtype=torch.long)
         batch.append(Example(ids, seq_len - response_len, None, "bench"))
     return batch
 

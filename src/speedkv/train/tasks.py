@@ -25,7 +25,8 @@ import random
 import uuid
 from collections.abc import Callable
 
-from speedkv.prompts.haystack import plant, sentences, split_names
+from speedkv.prompts.builders import TextSource
+from speedkv.prompts.haystack import plant, sentences
 
 
 def _items(text: str) -> tuple[str, ...]:
@@ -244,43 +245,6 @@ PASSAGE_TASKS = (
     "What question is the author trying to answer?",
     "Does the author sound optimistic or pessimistic? Explain briefly.",
 )
-
-
-class TextSource:
-    """Essay text of a split (training data uses "train") of a given token length, starting
-    at a random sentence."""
-
-    def __init__(self, tokenizer, split: str = "train"):
-        self.tokenizer = tokenizer
-        self.pool = [s for name in split_names(split) for s in _essay_sentences(name)]
-        self.lengths = [
-            len(ids)
-            for ids in tokenizer([" " + s for s in self.pool], add_special_tokens=False)[
-                "input_ids"
-            ]
-        ]
-
-    def tokens(self, text: str) -> int:
-        return len(self.tokenizer(text, add_special_tokens=False)["input_ids"])
-
-    def text(self, rng: random.Random, tokens: int) -> str:
-        """Whole sentences totalling at most about `tokens` tokens (at least one sentence)."""
-        at = rng.randrange(len(self.pool))
-        out: list[str] = []
-        count = 0
-        while True:
-            n = self.lengths[at]
-            if out and count + n > tokens:
-                return " ".join(out)
-            out.append(self.pool[at])
-            count += n
-            at = (at + 1) % len(self.pool)
-
-
-def _essay_sentences(name: str) -> list[str]:
-    from speedkv.prompts.haystack import essays
-
-    return sentences(essays()[name])
 
 
 # -- helpers ------------------------------------------------------------------------------------

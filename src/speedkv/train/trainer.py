@@ -189,7 +189,7 @@ def lora_model(hf_model, config: TrainConfig):
     return peft.get_peft_model(hf_model, lora)
 
 
-def training_arguments(config: TrainConfig, out: Path):
+def training_arguments(config: TrainConfig, out: Path, device: str = "auto"):
     from transformers import TrainingArguments
 
     return TrainingArguments(
@@ -210,7 +210,7 @@ def training_arguments(config: TrainConfig, out: Path):
         save_strategy="steps",
         save_steps=config.save_every,
         bf16=config.bf16,
-        use_cpu=not torch.cuda.is_available(),
+        use_cpu=_device(device) == "cpu",
         seed=config.seed,
         data_seed=config.seed,
         report_to=[],
@@ -302,8 +302,11 @@ def make_trainer_class():
 
 
 # -- a run ------------------------------------------------------------------------------------
-def run_training(config: TrainConfig, resume: bool = False, command: str = "") -> dict:
-    """Train (or resume) a run; returns the final training record."""
+def run_training(
+    config: TrainConfig, resume: bool = False, command: str = "", device: str = "auto"
+) -> dict:
+    """Train (or resume) a run on `device` (auto, cpu or cuda); returns the final training
+    record."""
     from transformers.trainer_callback import PrinterCallback, ProgressCallback
     from transformers.trainer_utils import get_last_checkpoint
 
@@ -324,7 +327,7 @@ def run_training(config: TrainConfig, resume: bool = False, command: str = "") -
     from accelerate import PartialState
 
     log(f"loading {config.model} (float32 weights; bf16 autocast: {config.bf16})")
-    loaded = load_model(config.model, dtype="float32", device=_device(), progress=True)
+    loaded = load_model(config.model, dtype="float32", device=_device(device), progress=True)
     if loaded.tokenizer is None:
         raise UserError("training needs a model with a tokenizer")
     vis = visibility_for(config.method, loaded.shape)
@@ -348,7 +351,7 @@ def run_training(config: TrainConfig, resume: bool = False, command: str = "") -
     trainer_class = make_trainer_class()
     trainer = trainer_class(
         model=objective,
-        args=training_arguments(config, out),
+        args=training_arguments(config, out, device),
         train_dataset=_ListDataset(examples),
         data_collator=lambda batch: {"examples": batch},
     )
@@ -397,11 +400,12 @@ def _final_record(trainer, history: list[dict], wall: float) -> dict:
     }
 
 
-def _device() -> str:
-    """This process's device: its own GPU under `accelerate launch`, else the CPU."""
-    if torch.cuda.is_available():
-        return f"cuda:{int(os.environ.get('LOCAL_RANK', '0'))}"
-    return "cpu"
+def _device(wanted: str = "auto") -> str:
+    """This process's device: the CPU when asked for or without a GPU, else its own GPU (its
+    rank's under `accelerate launch`), where the Trainer puts the model too."""
+    if wanted == "cpu" or not torch.cuda.is_available():
+        return "cpu"
+    return f"cuda:{int(os.environ.get('LOCAL_RANK', '0'))}"
 
 
 def _check_run_dir(out: Path, config: TrainConfig, resume: bool, last: str | None) -> None:

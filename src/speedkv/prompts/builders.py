@@ -1,0 +1,72 @@
+"""Prompts built from the haystack essays: exact-length raw passages, chat prompts about a
+passage, an exact-length chat prompt, and random passages for training data.
+
+Earlier runs' evaluation records, benchmark prompts and training data were made by these
+builders, so for the same arguments they must keep producing the same token ids.
+"""
+
+from __future__ import annotations
+
+import random
+
+from speedkv.errors import UserError
+from speedkv.hf.text import encode_prompt
+from speedkv.prompts.haystack import haystack_text, sentence_pool, take_sentences
+
+# Essay text is encoded a little past the length wanted, then cut: tokens can merge across
+# sentence boundaries, so the sentences' own counts do not add up exactly.
+MARGIN = 64
+
+
+def raw_passage(tokenizer, tokens: int, split: str, start: int) -> list[int]:
+    """Exactly `tokens` ids of essay text from sentence `start` of `split`, encoded as a
+    document: raw text with the tokenizer's own special tokens, no chat template."""
+    text = haystack_text(tokenizer, tokens + MARGIN, split=split, start=start)
+    ids = tokenizer(text, add_special_tokens=True)["input_ids"]
+    if len(ids) < tokens:
+        raise UserError(f"the {split} essays are too short for a {tokens}-token passage")
+    return list(ids[:tokens])
+
+
+def passage_prompt(tokenizer, passage: str, request: str) -> list[int]:
+    """A chat prompt (through the template) whose user message is `passage`, a blank line and
+    `request`."""
+    return encode_prompt(tokenizer, f"{passage}\n\n{request}").ids
+
+
+def exact_chat_prompt(tokenizer, length: int) -> list[int]:
+    """Exactly `length` ids: the chat template around essay text, so position 0 is the
+    template's first token (the BoS anchor) and the prompt ends with the generation header."""
+    marker = "\u0000"
+    templated = tokenizer.apply_chat_template(
+        [{"role": "user", "content": marker}], tokenize=False, add_generation_prompt=True
+    )
+    before, _, after = templated.partition(marker)
+    head = tokenizer(before, add_special_tokens=False)["input_ids"]
+    tail = tokenizer(after, add_special_tokens=False)["input_ids"]
+    body_len = length - len(head) - len(tail)
+    if body_len < 1:
+        raise UserError(
+            f"length {length} is too short for the chat template ({len(head) + len(tail)} tokens)"
+        )
+    body = tokenizer(haystack_text(tokenizer, body_len + MARGIN), add_special_tokens=False)
+    return head + body["input_ids"][:body_len] + tail
+
+
+class TextSource:
+    """Passages of one split's essay text from random sentences. The sentences' token counts
+    are computed once, for building many passages (training data)."""
+
+    def __init__(self, tokenizer, split: str = "train"):
+        self.tokenizer = tokenizer
+        self.pool = sentence_pool(split=split)
+        encoded = tokenizer([" " + s for s in self.pool], add_special_tokens=False)
+        self.lengths = [len(ids) for ids in encoded["input_ids"]]
+
+    def tokens(self, text: str) -> int:
+        return len(self.tokenizer(text, add_special_tokens=False)["input_ids"])
+
+    def text(self, rng: random.Random, tokens: int) -> str:
+        """Whole sentences totalling at most about `tokens` tokens (at least one sentence)."""
+        start = rng.randrange(len(self.pool))
+        return take_sentences(self.pool, tokens, start, self.lengths.__getitem__)

@@ -1,0 +1,34 @@
+"""The package tells type checkers it is typed: `py.typed` is in the installed package and in
+the wheel a build makes."""
+
+import shutil
+import subprocess
+import sys
+import zipfile
+from importlib.resources import files
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def test_installed_package_has_py_typed():
+    assert files("speedkv").joinpath("py.typed").is_file()
+
+
+def test_wheel_ships_py_typed(tmp_path):
+    # build from a copy, so the build leaves nothing in the working tree
+    for name in ("pyproject.toml", "README.md"):
+        shutil.copy(ROOT / name, tmp_path / name)
+    shutil.copytree(
+        ROOT / "src",
+        tmp_path / "src",
+        ignore=shutil.ignore_patterns("__pycache__", "*.egg-info"),
+    )
+    done = subprocess.run(
+        [sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "-q",
+         "-w", str(tmp_path / "dist"), str(tmp_path)],
+        capture_output=True, text=True,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr
+    (wheel,) = (tmp_path / "dist").glob("speedkv-*.whl")
+    assert "speedkv/py.typed" in zipfile.ZipFile(wheel).namelist()
