@@ -425,3 +425,13 @@ def test_train_compare_rejects_bad_arguments(monkeypatch, capsys, tmp_path):
             cli.main()
         err = capsys.readouterr().err
         assert stop.value.code == 2 and message in err and "Traceback" not in err, err
+
+
+def test_loss_plot_of_a_run_shorter_than_one_log_interval(tmp_path):
+    """A 2-step run with --log-every 5 logs no loss; its loss.png still gets written (it once
+    failed on the empty history)."""
+    from speedkv.train.plots import plot_history
+
+    path = tmp_path / "loss.png"
+    plot_history([{"step": 0, "probe_ppl": 30.0, "probe_passkey_acc": 0.5}], path, "tiny")
+    assert path.stat().st_size > 1000

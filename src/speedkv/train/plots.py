@@ -24,7 +24,7 @@ def plot_history(history: list[dict], path: Path, title: str) -> None:
     parts = (("loss", "loss"), ("ce", "cross-entropy"), ("kl", "KL to full depth"))
     for index, (key, label) in enumerate(parts):
         values = [h.get(key) for h in rows]
-        if None in values or (key == "kl" and "kl" not in rows[0]):
+        if not rows or None in values or (key == "kl" and "kl" not in rows[0]):
             continue
         # one logged point averages a few one-example steps of mixed task kinds: the raw line
         # is mostly which examples they were, the moving average is the trend

@@ -1,0 +1,157 @@
+"""Every command and Python snippet in README.md runs as written, on the embedded model, with
+small sizes appended (click takes the last value of an option given twice), from a directory
+where a new user would stand: a `doc.txt` to ask about and the shipped `adapters/`.
+
+`make demo` and `make test` are the two README lines not run here: this suite is `make test`,
+and `make demo` runs in a fresh clone before a release."""
+
+import json
+import os
+import re
+import shlex
+import socket
+import subprocess
+import sys
+import time
+import urllib.request
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+README = (ROOT / "README.md").read_text()
+SPEEDKV = str(Path(sys.executable).parent / "speedkv")
+
+# what each command gets appended so that it runs in seconds
+SMALL = {
+    "generate": ["--max-new-tokens", "4"],
+    "bench": ["--lengths", "256", "--max-new-tokens", "4", "--repeats", "1"],
+    "demo": ["--prompt-tokens", "300", "--max-new-tokens", "4"],
+    "eval": ["--lengths", "512", "--samples", "1"],
+    "diagnose": ["--samples", "2", "--doc-tokens", "32", "--max-new-tokens", "4"],
+    "choose-lcut": ["--samples", "1", "--prompt-tokens", "64", "--continuation-tokens", "8"],
+    "calibrate-tsp": ["--samples", "1", "--prompt-tokens", "128"],
+    "train": ["--steps", "2", "--seq-len", "512", "--data", "builtin:instruct=0"],
+}
+
+pytestmark = pytest.mark.real_model
+
+
+def code_blocks(language: str) -> list[str]:
+    return re.findall(rf"```{language}\n(.*?)```", README, re.S)
+
+
+def readme_commands() -> list[list[str]]:
+    """The arguments of every `.venv/bin/speedkv` line of the README's bash blocks."""
+    found = []
+    for block in code_blocks("bash"):
+        for line in block.replace("\\\n", " ").splitlines():
+            words = shlex.split(line, comments=True)
+            if words and words[0] == ".venv/bin/speedkv":
+                found.append(words[1:])
+            else:
+                assert not words or words[:1] == ["make"], f"a README command not tested: {line}"
+    return found
+
+
+@pytest.fixture(scope="module")
+def newcomer(tmp_path_factory) -> Path:
+    """A working directory with a document and the shipped adapters."""
+    home = tmp_path_factory.mktemp("newcomer")
+    (home / "adapters").symlink_to(ROOT / "adapters")
+    from speedkv.prompts.haystack import essays
+
+    text = " ".join(list(essays().values())[:2])[:6000]
+    (home / "doc.txt").write_text(f"{text}\n\nWhat is the main point of the text above?\n")
+    return home
+
+
+def run(args: list[str], cwd: Path) -> subprocess.CompletedProcess:
+    env = {**os.environ, "PYTHONWARNINGS": "ignore"}
+    done = subprocess.run(
+        [SPEEDKV, *args], cwd=cwd, capture_output=True, text=True, timeout=900, env=env
+    )
+    assert done.returncode == 0, f"speedkv {shlex.join(args)}\n{done.stderr[-3000:]}"
+    assert "Traceback" not in done.stderr
+    return done
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def serve_and_ask(args: list[str], cwd: Path) -> dict:
+    """Start the server as written (on a free port), ask it one chat question, stop it."""
+    port = free_port()
+    server = subprocess.Popen(
+        [SPEEDKV, *args, "--port", str(port)], cwd=cwd, stderr=subprocess.PIPE, text=True
+    )
+    try:
+        for _ in range(240):
+            try:
+                urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=2)
+                break
+            except OSError:
+                assert server.poll() is None, server.stderr.read()
+                time.sleep(0.5)
+        with urllib.request.urlopen(f"http://127.0.0.1:{port}/v1/models", timeout=10) as models:
+            served = json.loads(models.read())["data"][0]["id"]
+        body = json.dumps(
+            {
+                "model": served,
+                "messages": [{"role": "user", "content": "Name a river."}],
+                "max_tokens": 4,
+            }
+        ).encode()
+        request = urllib.request.Request(
+            f"http://127.0.0.1:{port}/v1/chat/completions",
+            body,
+            {"Content-Type": "application/json"},
+        )
+        with urllib.request.urlopen(request, timeout=120) as answer:
+            return json.loads(answer.read())
+    finally:
+        server.terminate()
+        server.wait(timeout=30)
+
+
+def test_readme_lists_the_commands_it_shows():
+    names = {args[0] for args in readme_commands() if not args[0].startswith("-")}
+    assert {"generate", "bench", "demo", "eval", "diagnose", "choose-lcut", "train"} <= names
+
+
+def test_every_readme_command_runs(newcomer):
+    ran = []
+    for args in readme_commands():
+        command = args[0]
+        if command == "serve":
+            reply = serve_and_ask(args, newcomer)
+            assert reply["choices"][0]["message"]["content"]
+            assert reply["speedkv"][0]["method"].startswith("speed:lcut=22,anchors=bos")
+        else:
+            done = run(args + SMALL.get(command, []), newcomer)
+            if "--json" in args:
+                assert json.loads(done.stdout)["method"]
+            if command == "--version":
+                assert re.fullmatch(r"speedkv \d+\.\d+\.\d+\n", done.stdout)
+        ran.append(command)
+    assert (newcomer / "runs" / "train" / "speed22" / "adapter_model.safetensors").is_file()
+    assert (newcomer / "runs" / "probes.png").is_file()
+    assert "serve" in ran and "train-compare" in ran
+
+
+def test_every_readme_python_snippet_runs(newcomer, monkeypatch, capsys):
+    from speedkv.hf.loading import load_model
+
+    checkpoint = load_model("smollm2-135m", dtype="float32", progress=False).source
+    monkeypatch.chdir(newcomer)
+    snippets = code_blocks("python")
+    assert len(snippets) == 2
+    for snippet in snippets:
+        code = snippet.replace("path/to/a/llama-or-qwen-checkpoint", checkpoint)
+        scope: dict = {}
+        exec(compile(code, "README.md", "exec"), scope)  # noqa: S102  (the README's own code)
+        assert scope["result"].text.strip()
+    assert capsys.readouterr().out.strip()
