@@ -16,7 +16,7 @@ from __future__ import annotations
 import json
 import statistics
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -27,7 +27,7 @@ from speedkv.bench.memory import peak_rss_bytes, reset_peak_rss
 from speedkv.bench.report import HF, write_outputs
 from speedkv.bench.roofline import MachineLimits, measure_limits
 from speedkv.core.engine import Engine, Request
-from speedkv.core.registry import make_policy
+from speedkv.core.registry import MethodSpec, config_record, make_policy
 from speedkv.core.sampling import SamplingParams
 from speedkv.errors import UserError
 from speedkv.hf.loading import LoadedModel
@@ -57,7 +57,7 @@ RATIOS = {
 @dataclass
 class BenchConfig:
     model: str
-    methods: list[str]
+    methods: list[MethodSpec | str]  # parsed specs, or their text; 'hf' is the model's generate
     lengths: list[int]
     new_tokens: int = 128
     repeats: int = 5
@@ -78,12 +78,10 @@ class Bench:
         self.model, self.config, self.out = model, config, out
         self.engine = Engine(model)
         self._limits: MachineLimits | None = None
-        methods = list(dict.fromkeys(config.methods))
-        if "full" not in methods:
-            methods.insert(0, "full")  # every ratio is taken against full
-        self.policies = {m: make_policy(m, model.shape) for m in methods if m != HF}
-        self.methods = [HF if m == HF else self.policies[m].spec() for m in methods]
-        self.policies = {p.spec(): p for p in self.policies.values()}
+        # full first: every ratio is taken against it; a method given twice runs once
+        bound = [m if m == HF else make_policy(m, model.shape) for m in ["full", *config.methods]]
+        self.policies = {p.spec(): p for p in bound if p != HF}
+        self.methods = list(dict.fromkeys(HF if p == HF else p.spec() for p in bound))
         too_long = [n for n in config.lengths if n > model.shape.max_positions]
         if too_long:
             raise UserError(
@@ -247,7 +245,7 @@ class Bench:
         weight_bytes = self.model.backbone.decode_weight_bytes()
         add_bounds(cells, limits, weight_bytes)
         result = {
-            "config": asdict(self.config),
+            "config": config_record(self.config),
             "methods": self.methods,
             "dtype": self.model.dtype_name,
             "machine": machine_facts(),

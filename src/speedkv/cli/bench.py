@@ -25,14 +25,14 @@ from speedkv.cli.options import (
     parsed_option,
     split_methods,
 )
-from speedkv.core.registry import parse_spec
+from speedkv.core.registry import MethodSpec, parse_spec
 from speedkv.errors import UserError
 from speedkv.log import log
 
 
-def parse_bench_methods(text: str) -> list[str]:
-    """Specs checked like every --methods, and 'hf'; kept as written (the config records them)."""
-    return [m if m == HF else parse_spec(m).text for m in split_methods(text)]
+def parse_bench_methods(text: str) -> list[MethodSpec | str]:
+    """Specs parsed like every --methods, and 'hf' (the model's own generate)."""
+    return [m if m == HF else parse_spec(m) for m in split_methods(text)]
 
 
 BenchMethods = Annotated[

@@ -83,7 +83,7 @@ def eval_command(
         raise UserError(f"split must be eval or calib, got '{split}'")
     config = EvalConfig(
         model=model,
-        methods=[m.text for m in methods],
+        methods=list(methods),
         tasks=task_list,
         lengths=list(lengths),
         n=parse_n(samples, task_list),

@@ -20,7 +20,7 @@ from speedkv.cli.options import (
     Threads,
     parsed_option,
 )
-from speedkv.core.registry import MethodSpec, parse_spec
+from speedkv.core.registry import MethodSpec
 from speedkv.errors import UserError
 
 DATA_HELP = (
@@ -51,9 +51,7 @@ def _modules(value: str) -> list[str]:
 def _trainable(text: str) -> MethodSpec:
     from speedkv.train.forward import check_trainable
 
-    method = parse_spec(text)
-    check_trainable(method.text)
-    return method
+    return check_trainable(text)
 
 
 TrainMethod = Annotated[
@@ -269,17 +267,15 @@ def train_bench(
     from speedkv.train.stepbench import fixed_batch, measure_step_speed
     from speedkv.train.trainer import TrainConfig, lora_model
 
-    specs = list(dict.fromkeys(["full", *(m.text for m in methods)]))
-    for spec in specs:
-        check_trainable(spec)
+    wanted = [check_trainable(m) for m in ("full", *methods)]
     if repeats < 1 or batch < 1:
         raise UserError("--repeats and --batch must be at least 1")
     if not 1 <= response_len < seq_len:
         raise UserError("--response-len must be at least 1 and shorter than --seq-len")
     set_threads(threads)
     loaded = load(model, "float32", device)
-    for spec in specs:
-        visibility_for(spec, loaded.shape)  # a cutoff the model does not have fails here
+    # bound once; a cutoff the model does not have fails here; the same method twice runs once
+    rules = list({v.spec: v for v in (visibility_for(m, loaded.shape) for m in wanted)}.values())
     if mix:
         weights = {k: v for k, v in DEFAULT_WEIGHTS.items() if k != "instruct"}
         records = build_mix(loaded.tokenizer, batch, weights, seq_len, seed, progress=False)
@@ -290,7 +286,7 @@ def train_bench(
         loaded.hf_model, TrainConfig(out="", lora_r=lora_r, lora_alpha=2 * lora_r)
     )
     use_bf16 = _bf16_default(bf16, device)
-    result = measure_step_speed(peft_model, specs, examples, repeats, distill, use_bf16)
+    result = measure_step_speed(peft_model, rules, examples, repeats, distill, use_bf16)
     result["model"] = loaded.name
     result["threads"] = threads
     if as_json:

@@ -6,6 +6,7 @@ ask it for a method."""
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 from speedkv.core.policy import Policy
@@ -47,6 +48,9 @@ class MethodSpec:
     def name(self) -> str:
         return self.cls.name
 
+    def __str__(self) -> str:
+        return self.text
+
     def bind(self, shape: ModelShape) -> Policy:
         """A policy for a model of this shape, on a fresh Config (policies resolve their
         defaults into it, so no two share one)."""
@@ -59,6 +63,14 @@ def parse_spec(text: str) -> MethodSpec:
     cls = method_class(name)
     parse_config(cls, options)  # unknown options and ill-typed values fail here, not at bind
     return MethodSpec(text.strip(), cls, tuple(options.items()))
+
+
+def config_record(config) -> dict:
+    """A run's dataclass config as JSON-ready data: method specs as the text written."""
+    record = dataclasses.asdict(config)
+    if "methods" in record:
+        record["methods"] = [str(m) for m in config.methods]
+    return record
 
 
 def make_policy(spec: str | MethodSpec, shape: ModelShape) -> Policy:

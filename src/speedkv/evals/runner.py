@@ -13,7 +13,7 @@ import json
 import math
 import time
 from collections.abc import Iterator
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
@@ -21,7 +21,7 @@ from tqdm import tqdm
 
 from speedkv.core.engine import Engine, Request
 from speedkv.core.policy import Policy
-from speedkv.core.registry import make_policy
+from speedkv.core.registry import MethodSpec, config_record, make_policy
 from speedkv.core.sampling import SamplingParams
 from speedkv.errors import UserError
 from speedkv.evals import fidelity, needles, sanity
@@ -37,7 +37,7 @@ FULL = "full"
 @dataclass
 class EvalConfig:
     model: str
-    methods: list[str]
+    methods: list[MethodSpec | str]  # parsed specs, or their text
     tasks: list[str]
     lengths: list[int]
     n: dict[str, int]
@@ -174,7 +174,7 @@ class EvalRunner:
         wanted = {(m, u.task, u.length, u.index) for u in self.units() for m in self.methods}
         mine = sorted((r for r in records if record_key(r) in wanted), key=self._record_order)
         result = {
-            "config": asdict(self.config),
+            "config": config_record(self.config),
             "methods": self.methods,
             "header": self.header(),
             "versions": versions(),

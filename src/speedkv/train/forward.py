@@ -22,8 +22,7 @@ import torch
 import torch.nn.functional as F
 
 from speedkv.analysis.dense import speed_hidden
-from speedkv.core.registry import make_policy
-from speedkv.core.spec import split_spec
+from speedkv.core.registry import MethodSpec, parse_spec
 from speedkv.errors import UserError
 from speedkv.hf.backbone import Backbone, ModelShape
 from speedkv.methods.speed import SpeedRule
@@ -40,20 +39,21 @@ class Visibility(SpeedRule):
 TRAINABLE_METHODS = ("full", "speed")
 
 
-def check_trainable(spec: str) -> None:
-    """Fail early (before a model loads) on a method training has no rule for."""
-    name, _ = split_spec(spec)
-    if name not in TRAINABLE_METHODS:
+def check_trainable(spec: str | MethodSpec) -> MethodSpec:
+    """The spec, parsed; fails early (before a model loads) on a method training has no rule
+    for."""
+    method = spec if isinstance(spec, MethodSpec) else parse_spec(spec)
+    if method.name not in TRAINABLE_METHODS:
         raise UserError(
-            f"training supports the methods 'full' and 'speed', not '{name}'; "
+            f"training supports the methods 'full' and 'speed', not '{method.name}'; "
             "write e.g. --method 'speed:lcut=22,anchors=bos' or --method full"
         )
+    return method
 
 
-def visibility_for(spec: str, shape: ModelShape) -> Visibility:
-    """Parse a method spec for training; only `full` and `speed` have a training rule."""
-    check_trainable(spec)
-    policy = make_policy(spec, shape)
+def visibility_for(spec: str | MethodSpec, shape: ModelShape) -> Visibility:
+    """The training rule of a method spec; only `full` and `speed` have one."""
+    policy = check_trainable(spec).bind(shape)
     rule = SpeedRule.of(policy)
     return Visibility(**dataclasses.asdict(rule), spec=policy.spec())
 

@@ -18,7 +18,7 @@ from tqdm import tqdm
 from speedkv.prompts.builders import raw_passage
 from speedkv.prompts.haystack import sentence_count
 from speedkv.train.data import Example
-from speedkv.train.forward import SpeedObjective, visibility_for
+from speedkv.train.forward import SpeedObjective, Visibility
 
 
 def fixed_batch(
@@ -53,18 +53,15 @@ def layer_token_ratio(shape, vis, batch: list[Example]) -> float:
 
 def measure_step_speed(
     peft_model,
-    methods: list[str],
+    methods: list[Visibility],
     batch: list[Example],
     repeats: int = 3,
     distill: float = 0.0,
     bf16: bool = True,
 ) -> dict:
-    """Median step time and tokens/s per method (canonical spec), plus each one's speed-up
+    """Median step time and tokens/s per method (by canonical spec), plus each one's speed-up
     over the first method."""
-    objectives = {}
-    for spec in methods:
-        vis = visibility_for(spec, _shape(peft_model))
-        objectives[vis.spec] = SpeedObjective(peft_model, vis, distill)
+    objectives = {vis.spec: SpeedObjective(peft_model, vis, distill) for vis in methods}
     shares = {
         spec: layer_token_ratio(_shape(peft_model), o.vis, batch) for spec, o in objectives.items()
     }
