@@ -386,17 +386,19 @@ def test_full_queue_answers_429_and_fixed_method_holds(small_server):
     same = chat(client, "Hi", SPEED, max_tokens=2)  # naming the server's own method is fine
     assert same.speedkv[0]["method"] == SPEED_CANONICAL
 
-    running = chat(client, QUESTION, max_tokens=200, stream=True, ignore_eos=True)
-    next(iter(running))  # it holds the only batch slot
+    # it holds the only batch slot for longer than the queued client below waits (~30 s)
+    running = chat(client, QUESTION, max_tokens=400, stream=True, ignore_eos=True)
+    next(iter(running))
     prefilled = small_server.metrics()["speedkv_prompt_tokens_total"]
 
     def wait_then_give_up():
-        """A client that gives up while its request is still queued."""
+        """A client that gives up while its request is still queued (after 10 s: long enough
+        for the 429 below on a busy machine, which once missed a 4 s window)."""
         with pytest.raises(httpx.ReadTimeout):
             httpx.post(
                 f"{small_server.url}/v1/chat/completions",
                 json={"model": MODEL, "messages": [{"role": "user", "content": "Hi"}]},
-                timeout=httpx.Timeout(30, read=4),
+                timeout=httpx.Timeout(30, read=10),
             )
 
     with ThreadPoolExecutor(1) as pool:
