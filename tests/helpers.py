@@ -14,7 +14,7 @@ from speedkv.core.registry import method_class
 
 def greedy_with_logits(engine: Engine, ids: list[int], policy: Policy, steps: int):
     """Greedy decode of `steps` tokens by hand; returns (tokens, logits [steps, V], cache)."""
-    done = engine.prefill(ids, policy, spare=steps)
+    done = engine.prefill_ids(ids, policy, spare=steps)
     cache, logits = done.cache, done.logits
     rows, tokens = [logits], [int(logits.argmax())]
     for i in range(steps - 1):

@@ -171,7 +171,7 @@ def test_sweep_matches_the_engine_decode_path(tiny_engine):
     )
     for cut in (2, 4):
         policy = make_policy(f"speed:lcut={cut},anchors=bos", tiny_engine.shape)
-        done = tiny_engine.prefill(prompt, policy, spare=len(cont))
+        done = tiny_engine.prefill_ids(prompt, policy, spare=len(cont))
         rows = [done.logits]
         for i, token in enumerate(cont[:-1]):
             step = tiny_engine.decode_step([done.cache], [policy], [token], [32 + i])

@@ -62,7 +62,7 @@ def test_shallow_tokens_are_never_computed_in_upper_layers(tiny, tiny_engine, mo
 
     monkeypatch.setattr(tiny.backbone, "qkv", counting_qkv)
     policy = make_policy("speed:lcut=2,anchors=sink:4,deep=3", tiny.shape)
-    tiny_engine.prefill(random_prompt(50), policy)
+    tiny_engine.prefill_ids(random_prompt(50), policy)
     assert [seen[layer] for layer in range(6)] == [50, 50, 4 + 3, 4 + 3, 4 + 3, 4 + 3]
 
 

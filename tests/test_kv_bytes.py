@@ -57,15 +57,17 @@ def test_prefill_work_counts_and_flops(tiny, tiny_engine):
     from speedkv.core.flops import head_flops, layer_weights, pair_flops
 
     N, L = 33, tiny.shape.num_layers
-    full = tiny_engine.prefill(random_prompt(N), make_policy("full", tiny.shape))
+    full = tiny_engine.prefill_ids(random_prompt(N), make_policy("full", tiny.shape))
     assert full.rows == [N] * L and full.pairs == [N * (N + 1) // 2] * L
-    speed = tiny_engine.prefill(
+    speed = tiny_engine.prefill_ids(
         random_prompt(N), make_policy("speed:lcut=4,anchors=bos", tiny.shape)
     )
     assert speed.rows == [N] * 4 + [2] * (L - 4)
     assert speed.pairs == [N * (N + 1) // 2] * 4 + [3] * (L - 4)  # BoS sees itself; last sees both
     selfonly = make_policy("speed:lcut=4,anchors=bos,deep=3,selfonly=true", tiny.shape)
-    assert tiny_engine.prefill(random_prompt(N), selfonly).pairs[4:] == [1 + 2 + 2 + 2] * (L - 4)
+    assert tiny_engine.prefill_ids(random_prompt(N), selfonly).pairs[4:] == [1 + 2 + 2 + 2] * (
+        L - 4
+    )
     result = tiny_engine.generate(
         [
             Request(

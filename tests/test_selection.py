@@ -205,10 +205,12 @@ def test_selected_positions_reach_the_cache(tiny, tiny_engine, monkeypatch):
     scores = torch.arange(40, dtype=torch.float32)  # later tokens score higher
     monkeypatch.setattr(SpecPrefill, "token_scores", lambda self, ids, engine: scores)
     monkeypatch.setattr(GemFilter, "token_scores", lambda self, ids, engine: scores)
-    spec = tiny_engine.prefill(ids, make_policy("specprefill:keep=0.25,chunk=4", tiny.shape))
+    spec = tiny_engine.prefill_ids(ids, make_policy("specprefill:keep=0.25,chunk=4", tiny.shape))
     assert spec.cache.layers[0].positions()[0].tolist() == list(range(28, 40))
     assert spec.next_position == 40
-    gem = tiny_engine.prefill(ids, make_policy("gemfilter:retain=10,filter_layer=1", tiny.shape))
+    gem = tiny_engine.prefill_ids(
+        ids, make_policy("gemfilter:retain=10,filter_layer=1", tiny.shape)
+    )
     assert gem.cache.layers[3].positions()[0].tolist() == list(range(10))
     assert gem.next_position == 10
 
@@ -224,8 +226,8 @@ def test_pop_and_swiftkv_synthesise_kv_from_the_frozen_residual(tiny, tiny_engin
     for layer in range(3):
         h = bb.hf_layer(layer, h, mask, pos)
     cos, sin = bb.rope(pos)
-    pop = tiny_engine.prefill(ids, make_policy("pop:lcut=3", tiny.shape)).cache
-    swift = tiny_engine.prefill(ids, make_policy("swiftkv:k=3", tiny.shape)).cache
+    pop = tiny_engine.prefill_ids(ids, make_policy("pop:lcut=3", tiny.shape)).cache
+    swift = tiny_engine.prefill_ids(ids, make_policy("swiftkv:k=3", tiny.shape)).cache
     for layer in (3, 5):
         k_pop, _ = bb.kv(layer, bb.input_norm(layer, h[0]), cos, sin)
         k_swift, _ = bb.kv(layer, bb.input_norm(3, h[0]), cos, sin)

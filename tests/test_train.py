@@ -32,7 +32,7 @@ HEADER = 3  # generation-header length passed for deep=header
 def engine_response_logits(engine: Engine, spec: str, prompt: list[int], response: list[int]):
     """Logits predicting each response token through the engine's real prefill and decode."""
     policy = make_policy(spec, engine.shape)
-    done = engine.prefill(prompt, policy, spare=len(response), header_tokens=HEADER)
+    done = engine.prefill_ids(prompt, policy, spare=len(response), header_tokens=HEADER)
     rows = [done.logits]
     for i, token in enumerate(response[:-1]):
         position = done.next_position + i

@@ -61,11 +61,11 @@ def calibrate_tsp(
         unit="prefill",
     )
     for ids in prompts:
-        reference = engine.prefill(ids, make_policy("full", engine.shape)).hidden.float()
+        reference = engine.prefill_ids(ids, make_policy("full", engine.shape)).hidden.float()
         bar.update()
         for layer in candidates:
             spec = f"fastkv:tsp_layer={layer},tsp_rate={tsp_rate:g},retain=1"
-            hidden = engine.prefill(ids, make_policy(spec, engine.shape)).hidden.float()
+            hidden = engine.prefill_ids(ids, make_policy(spec, engine.shape)).hidden.float()
             totals[layer] += float((hidden - reference).pow(2).sum() / reference.pow(2).sum())
             bar.update()
     bar.close()

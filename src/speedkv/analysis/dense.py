@@ -21,16 +21,23 @@ def speed_hidden(
     prompt_len: int,
     rule: SpeedRule,
     header_tokens: int | None = None,
+    full_depth: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Final-normed hidden states [m, H] at every full-depth position of `ids` ([T] or
     [1, T]) under `rule`, and those positions [m]. With lcut == L every position is full
-    depth and this is the model's ordinary forward."""
+    depth and this is the model's ordinary forward.
+
+    `full_depth` (bool [T]) names the full-depth positions outright instead of the rule's
+    anchors and deep suffix: a sequence built in several prefills (a cached document, then
+    a question; the turns of a chat) has one deep suffix per prefill."""
     ids = ids.reshape(1, -1).to(backbone.device)
     pos = torch.arange(ids.shape[1], device=ids.device)
     layers = backbone.shape.num_layers
     h = _layers(backbone, rule, range(min(rule.lcut, layers)), backbone.embed(ids), pos)
     if rule.lcut < layers:
-        keep = rule.full_depth(pos, prompt_len, rule.deep_tokens(header_tokens))
+        keep = full_depth.to(pos.device) if full_depth is not None else None
+        if keep is None:
+            keep = rule.full_depth(pos, prompt_len, rule.deep_tokens(header_tokens))
         h, pos = h[:, keep], pos[keep]
         h = _layers(backbone, rule, range(rule.lcut, layers), h, pos)
     return backbone.final_norm(h)[0], pos

@@ -102,6 +102,25 @@ class LayerKV:
         self.pos[heads, slots] = self.pos[:, last].clone()
         self.length = last
 
+    def prefix(self, end: int, room: int) -> LayerKV:
+        """A new layer holding a copy of the entries at positions < `end`, with room for
+        `room` more: what a request extending a cached prefix starts from (the cached
+        buffers are never written, so any number of requests can extend one prefix)."""
+        heads, _, dim = self.k.shape
+        keep = (self.positions()[0] < end).nonzero()[:, 0]  # entries are the same in every head
+        out = LayerKV(heads, keep.numel() + room, dim, self.k.dtype, self.k.device)
+        out.extend(self.k[:, keep], self.v[:, keep], self.pos[:, keep])
+        return out
+
+    def snapshot(self) -> LayerKV:
+        """A view of the live entries that later writes cannot change: it shares the buffers,
+        and a sequence only ever writes past its live entries (or into new buffers when it
+        grows). Not for methods that evict or rewrite entries during decode."""
+        view = LayerKV.__new__(LayerKV)
+        view.k, view.v, view.pos = self.k, self.v, self.pos
+        view.length, view.reads = self.length, 0
+        return view
+
     def nbytes(self) -> int:
         return 2 * self.k.shape[0] * self.length * self.k.shape[2] * self.k.element_size()
 
@@ -135,6 +154,19 @@ class KVCache:
 
     def lengths(self) -> list[int]:
         return [layer.length for layer in self.layers]
+
+    def prefix(self, end: int, room: int) -> KVCache:
+        """Copies of every layer's entries at positions < `end` (see LayerKV.prefix); layers
+        that share one buffer keep sharing it."""
+        copies: dict[int, LayerKV] = {}
+        return KVCache(
+            [copies.setdefault(id(layer), layer.prefix(end, room)) for layer in self.layers]
+        )
+
+    def snapshot(self) -> KVCache:
+        """The cache as it is now, unaffected by later decode steps (see LayerKV.snapshot)."""
+        views: dict[int, LayerKV] = {}
+        return KVCache([views.setdefault(id(layer), layer.snapshot()) for layer in self.layers])
 
     def decode_reads(self) -> int:
         """KV entries read by decode-phase queries, over all layers and steps."""

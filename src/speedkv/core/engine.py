@@ -12,7 +12,7 @@ from __future__ import annotations
 import time
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, overload
 
 import torch
 
@@ -21,12 +21,13 @@ from speedkv.core.cache import KVCache
 from speedkv.core.flops import decode_flops, prefill_flops
 from speedkv.core.policy import Policy, PromptInfo
 from speedkv.core.prefill import Prefill, PrefillRun
-from speedkv.core.registry import make_policy
+from speedkv.core.prefix import CachedPrefix, PrefixCache, common_prefix
+from speedkv.core.registry import MethodSpec, make_policy, method_class, method_names
 from speedkv.core.sampling import Sampler, SamplingParams
 from speedkv.errors import UserError
 from speedkv.hf import loading
 from speedkv.hf.loading import LoadedModel, wrap_model
-from speedkv.hf.text import Detokenizer, encode_prompt, find_stop
+from speedkv.hf.text import Detokenizer, encode_messages, encode_prompt, find_stop
 
 
 @dataclass
@@ -37,6 +38,8 @@ class Request:
     policy: Policy
     sampling: SamplingParams = field(default_factory=SamplingParams)
     header_tokens: int | None = None  # chat generation-header length, for `deep=header`
+    turn_tokens: int | None = None  # the last chat message through the header, for `deep=turn`
+    prefix: CachedPrefix | None = None  # a cache `ids` extend: only the rest is prefilled
 
 
 @dataclass
@@ -56,6 +59,7 @@ class Generation:
     layer_lengths: list[int]  # cache entries per layer when the first token is produced
     flops_prefill: int  # analytic: layer-token matmuls plus attention over what was computed
     flops_decode: int  # the same for every decode step, summed
+    reused_tokens: int = 0  # prompt tokens taken from a cached prefix instead of prefilled
 
 
 @dataclass
@@ -98,6 +102,7 @@ class _Sequence:
         self.lengths_first: list[int] = []
         self.flops_prefill = 0
         self.first_position = len(request.ids)
+        self.reused = 0  # prompt tokens taken from a cached prefix instead of prefilled
 
     @property
     def next_pos(self) -> int:
@@ -120,14 +125,24 @@ class _Sequence:
             layer_lengths=self.lengths_first,
             flops_prefill=self.flops_prefill,
             flops_decode=decode_flops(self.shape, self.cache.decode_reads(), steps),
+            reused_tokens=self.reused,
         )
 
 
 class Engine:
     """Runs prefill and decode for a loaded model under any registered method."""
 
-    def __init__(self, model: LoadedModel, chunk_size: int = 1024, depth: int | None = None):
+    def __init__(
+        self,
+        model: LoadedModel,
+        chunk_size: int = 1024,
+        depth: int | None = None,
+        prefix_cache: PrefixCache | None = None,
+    ):
         self.model = model
+        # with a prefix cache, every prompt under a reusable method starts from the longest
+        # cached prefix it extends, and leaves its own cache there (automatic prefix caching)
+        self.prefix_cache = prefix_cache
         self.backbone = model.backbone
         self.shape = model.shape
         # depth < L runs only the first layers, then the final norm and head (an early-exit
@@ -169,17 +184,30 @@ class Engine:
 
     # -- the two phases ----------------------------------------------------------------------
     @torch.inference_mode()
-    def prefill(
+    def prefill_ids(
         self,
         ids: list[int] | torch.Tensor,
         policy: Policy,
         spare: int = 0,
         header_tokens: int | None = None,
+        turn_tokens: int | None = None,
+        base: KVCache | None = None,
+        start: int = 0,
     ) -> Prefill:
         """Run the prompt under `policy`: its cache, the last computed position's logits, and
-        the work done. `spare` reserves room in every layer for that many decode tokens."""
+        the work done. `spare` reserves room in every layer for that many decode tokens.
+
+        With `base`, the prompt extends a cached one: `ids` are its tokens from position
+        `start` on, and they attend to `base`'s entries at positions before `start` (which
+        are copied, never written)."""
         ids = torch.as_tensor(ids, dtype=torch.long, device=self.device).flatten()
-        prompt = PromptInfo(ids, header_tokens)
+        if base is not None:
+            positions = torch.arange(start, start + ids.numel(), device=self.device)
+            prompt = PromptInfo(ids, header_tokens, positions, start + ids.numel(), turn_tokens)
+            policy.begin(prompt)
+            run = PrefillRun(self.backbone, policy, self.depth, self.chunk_size, spare, base, start)
+            return run.run(prompt, prompt.end)
+        prompt = PromptInfo(ids, header_tokens, turn_tokens=turn_tokens)
         next_position = prompt.n
         selection = policy.select_prompt(prompt, self)
         if selection is not None:
@@ -188,6 +216,7 @@ class Engine:
                 header_tokens,
                 selection.positions.to(self.device),
                 prompt.n,
+                turn_tokens,
             )
             next_position = selection.next_position
         policy.begin(prompt)
@@ -249,7 +278,23 @@ class Engine:
         while batch:
             yield from batch.step()
 
-    def generate(self, requests: list[Request]) -> list[Generation]:
+    @overload
+    def generate(self, requests: list[Request]) -> list[Generation]: ...
+    @overload
+    def generate(
+        self, requests: CachedPrefix, question: str | list[int], **sampling: Any
+    ) -> Generation: ...
+    def generate(self, requests, question=None, **sampling):
+        """Generate for a list of requests; or, given a cached prefix (`prefill`) and a
+        question, continue the cached prompt with it (the next user message of a chat prompt,
+        or text appended to a raw one), taking `generate_text`'s sampling arguments."""
+        if isinstance(requests, CachedPrefix):
+            if question is None:
+                raise UserError("continuing a cached prefix needs a question")
+            params = SamplingParams.from_generate_args(**sampling)
+            return self.generate([self.continuation(requests, question, params)])[0]
+        if question is not None or sampling:
+            raise UserError("a question and sampling arguments go with a cached prefix")
         results: list[Generation | None] = [None] * len(requests)
         for event in self.run(requests):
             if event.finished is not None:
@@ -281,6 +326,60 @@ class Engine:
         encoded = encode_prompt(self.tokenizer, prompt, chat=chat)
         policy = method if isinstance(method, Policy) else make_policy(method, self.shape)
         return Request(encoded.ids, policy, sampling or SamplingParams(), encoded.header_tokens)
+
+    def prefill(
+        self, prompt: str | list[int], method: str | MethodSpec | Policy = "full", chat: bool = True
+    ) -> CachedPrefix:
+        """Prefill a document once, to ask it any number of questions with
+        `generate(cache, question)`. Text goes through the chat template as a user message of
+        its own (the question becomes the next one) unless chat=False; token ids are taken as
+        they are. Only methods whose cache does not depend on the question can be reused."""
+        policy = self._policy(method)
+        check_reusable(policy)
+        messages = None
+        if isinstance(prompt, str):
+            self._need_tokenizer()
+            if not prompt.strip():
+                raise UserError("the document is empty")
+            if chat and getattr(self.tokenizer, "chat_template", None):
+                messages = [{"role": "user", "content": prompt}]
+                ids = encode_messages(self.tokenizer, messages, generation_header=False).ids
+            else:
+                ids = list(self.tokenizer(prompt, add_special_tokens=True)["input_ids"])
+        else:
+            ids = [int(i) for i in prompt]
+        self.check_request(Request(ids, policy))
+        start = time.perf_counter()
+        done = self.prefill_ids(ids, policy)
+        return CachedPrefix(ids, policy.spec(), done.cache, messages, time.perf_counter() - start)
+
+    def continuation(
+        self, prefix: CachedPrefix, question: str | list[int], sampling: SamplingParams
+    ) -> Request:
+        """A request continuing `prefix` with `question`: a chat prefix gets it as the next
+        user message (then the generation header); a raw one gets its tokens appended."""
+        policy = make_policy(prefix.method, self.shape)
+        if not isinstance(question, str):
+            new = [int(i) for i in question]
+            return Request(prefix.ids + new, policy, sampling, None, len(new), prefix)
+        self._need_tokenizer()
+        if not question.strip():
+            raise UserError("the question is empty")
+        if prefix.messages is None:
+            new = list(self.tokenizer(question, add_special_tokens=False)["input_ids"])
+            return Request(prefix.ids + new, policy, sampling, None, len(new), prefix)
+        messages = [*prefix.messages, {"role": "user", "content": question}]
+        encoded = encode_messages(self.tokenizer, messages)
+        return Request(
+            encoded.ids, policy, sampling, encoded.header_tokens, encoded.turn_tokens, prefix
+        )
+
+    def _policy(self, method: str | MethodSpec | Policy) -> Policy:
+        return method if isinstance(method, Policy) else make_policy(method, self.shape)
+
+    def _need_tokenizer(self) -> None:
+        if self.tokenizer is None:
+            raise UserError("this model has no tokenizer; pass token ids instead of text")
 
     def generate_text(
         self, prompt: str, method: str | Policy = "full", chat: bool = True, **sampling: Any
@@ -321,17 +420,62 @@ class Batch:
             engine.shape,
             engine.eos_ids,
         )
-        done = engine.prefill(
-            request.ids, seq.policy, request.sampling.max_new_tokens - 1, request.header_tokens
+        prefix, start = self._prefix(request, seq.policy)
+        done = engine.prefill_ids(
+            request.ids[start:],
+            seq.policy,
+            request.sampling.max_new_tokens - 1,
+            request.header_tokens,
+            request.turn_tokens,
+            prefix.cache if prefix is not None else None,
+            start,
         )
         seq.cache, seq.first_position = done.cache, done.next_position
+        seq.reused = start
+        if engine.prefix_cache is not None and seq.policy.reusable:
+            # the prompt alone, for requests that arrive while this one decodes
+            snapshot = CachedPrefix(list(request.ids), seq.policy.spec(), seq.cache.snapshot())
+            engine.prefix_cache.insert(snapshot)
         seq.flops_prefill = prefill_flops(engine.shape, done.rows, done.pairs)
         seq.kv_first = seq.cache.nbytes()
         seq.lengths_first = seq.cache.lengths()
         event = self._accept(seq, seq.sampler(done.logits), first=True)
         if seq.finish_reason is None:
             self.running[key] = seq
+        else:
+            self._finished(seq)
         return [event]
+
+    def _prefix(self, request: Request, policy: Policy) -> tuple[CachedPrefix | None, int]:
+        """The cached prefix the request starts from and how many of its tokens it reuses:
+        the one it names, or the longest the engine's prefix cache holds; (None, 0) when it
+        starts from nothing."""
+        if request.prefix is not None:
+            prefix = request.prefix
+            check_reusable(policy)
+            if prefix.method != policy.spec():
+                raise UserError(
+                    f"the cache was built with '{prefix.method}'; a prompt continuing it runs "
+                    f"the same method, not '{policy.spec()}'"
+                )
+            shared = common_prefix(prefix.ids, request.ids)
+            if shared == 0:
+                raise UserError("the prompt does not start with the cached prefix's tokens")
+            return prefix, min(shared, len(request.ids) - 1)  # the last token gives the logits
+        store = self.engine.prefix_cache
+        if store is not None and policy.reusable:
+            found = store.lookup(request.ids, policy.spec())
+            if found is not None:
+                return found
+        return None, 0
+
+    def _finished(self, seq: _Sequence) -> None:
+        """Leave a finished sequence's cache (prompt and every token fed back) in the engine's
+        prefix cache, for the next turn of its conversation."""
+        store = self.engine.prefix_cache
+        if store is not None and seq.policy.reusable:
+            ids = [*seq.request.ids, *seq.output[:-1]]  # the last token was never fed back
+            store.insert(CachedPrefix(ids, seq.policy.spec(), seq.cache))
 
     def step(self) -> list[TokenEvent]:
         """One decode step for every running sequence."""
@@ -350,6 +494,7 @@ class Batch:
         for seq in seqs:
             if seq.finish_reason is not None:
                 del self.running[seq.key]
+                self._finished(seq)
         return events
 
     def cancel(self, key: object) -> None:
@@ -382,6 +527,17 @@ class Batch:
         elif seq.finish_reason is None and len(seq.output) >= params.max_new_tokens:
             seq.finish_reason = "length"
         return TokenEvent(seq.key, token, delta, seq.result() if seq.finish_reason else None)
+
+
+def check_reusable(policy: Policy) -> None:
+    """UserError unless caches `policy` builds may serve other prompts."""
+    if not policy.reusable:
+        reusable = [name for name in method_names() if method_class(name).reusable]
+        raise UserError(
+            f"a cache built by '{policy.name}' cannot serve another prompt: what it keeps "
+            f"depends on the end of the prompt, or its reuse is not defined; caches of "
+            f"{' and '.join(reusable)} can be reused"
+        )
 
 
 def decode_plan(policy: Policy, depth: int) -> list[tuple[int, tuple[int, int] | None, bool]]:

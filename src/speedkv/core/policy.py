@@ -30,6 +30,7 @@ class PromptInfo:
     header_tokens: int | None = None  # length of the chat template's generation header, if any
     positions: torch.Tensor | None = None  # absolute positions of `ids` (default 0..n-1)
     original_length: int | None = None  # prompt length before any token selection
+    turn_tokens: int | None = None  # the last message's content through the header (chat)
 
     def __post_init__(self):
         if self.positions is None:
@@ -40,6 +41,12 @@ class PromptInfo:
     @property
     def n(self) -> int:
         return int(self.ids.shape[0])
+
+    @property
+    def end(self) -> int:
+        """One past the last prompt position. When a request extends a cached prefix, `ids`
+        are only its new tokens and `end` is where the whole prompt ends."""
+        return int(self.positions[-1]) + 1 if self.n else 0
 
 
 @dataclass
@@ -90,6 +97,12 @@ class Policy:
     # under test: {L} = the model's layer count, {T} = prompt + new tokens (a token budget
     # that covers everything the cache will ever hold).
     degenerate_specs: ClassVar[tuple[str, ...]] = ("full",)
+    # Whether a cache this method built can serve other prompts that extend it (other
+    # questions about a cached document, later turns of a chat): only when what the cache
+    # holds does not depend on the end of the prompt. Methods that choose what to keep by
+    # looking at the question (SnapKV, FastKV, ...) must leave this False; the engine then
+    # refuses to reuse their caches.
+    reusable: ClassVar[bool] = False
 
     @dataclass
     class Config:

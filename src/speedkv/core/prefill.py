@@ -57,9 +57,21 @@ class _View:
 class PrefillRun:
     """The state of one prompt's prefill while it climbs the layers."""
 
-    def __init__(self, backbone: Backbone, policy: Policy, depth: int, chunk_size: int, spare: int):
+    def __init__(
+        self,
+        backbone: Backbone,
+        policy: Policy,
+        depth: int,
+        chunk_size: int,
+        spare: int,
+        base: KVCache | None = None,
+        start: int = 0,
+    ):
         self.bb, self.policy, self.depth = backbone, policy, depth
         self.chunk, self.spare = chunk_size, spare
+        # extending a cached prefix: every layer starts from a copy of `base`'s entries at
+        # positions < start, and the new rows attend to them
+        self.base, self.start = base, start
         self.shape = backbone.shape
         self.exits: list[_Exit] = []
         self.saved: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
@@ -96,16 +108,14 @@ class PrefillRun:
         if writes:
             synthesised = list(self._exited_kv(layer))
             extra = sum(p.numel() for _, _, p in synthesised)
-            kv = LayerKV(
-                shape.num_kv_heads,
-                extra + h.shape[0] + self.spare,
-                shape.head_dim,
-                bb.dtype,
-                h.device,
-            )
+            room = extra + h.shape[0] + self.spare
+            if self.base is not None:
+                kv = self.base.layers[layer].prefix(self.start, room)
+            else:
+                kv = LayerKV(shape.num_kv_heads, room, shape.head_dim, bb.dtype, h.device)
             for k, v, p in synthesised:
                 kv.extend(k, v, p)
-            aligned = extra == 0  # entries are exactly the computed rows, in order
+            aligned = kv.length == 0  # entries will be exactly the computed rows, in order
         else:
             kv, aligned = self.layers[owner], False
         kv_input = policy.kv_input(layer)

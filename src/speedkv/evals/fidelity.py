@@ -53,7 +53,7 @@ def teacher_forced_logprobs(
 ) -> torch.Tensor:
     """Log-probabilities [K, vocab] (float32) the method assigns at each continuation
     position: row i predicts continuation[i], given the prompt and continuation[:i]."""
-    done = engine.prefill(prompt, policy, spare=len(continuation))
+    done = engine.prefill_ids(prompt, policy, spare=len(continuation))
     rows = [done.logits]
     for i, token in enumerate(continuation[:-1]):
         position = done.next_position + i

@@ -351,9 +351,9 @@ class EvalRunner:
     def _measure_full(self, length: int, steps: int) -> tuple[float, float]:
         ids = fidelity.build_sample(self.model.tokenizer, length, steps, 0, 0, self.config.split)
         policy = self.policies[FULL].fresh()
-        self.engine.prefill(ids.prompt[:32], policy.fresh())  # warm-up
+        self.engine.prefill_ids(ids.prompt[:32], policy.fresh())  # warm-up
         t0 = time.perf_counter()
-        done = self.engine.prefill(ids.prompt, policy, spare=steps)
+        done = self.engine.prefill_ids(ids.prompt, policy, spare=steps)
         t1 = time.perf_counter()
         for i, token in enumerate(ids.continuation):
             self.engine.decode_step([done.cache], [policy], [token], [done.next_position + i])

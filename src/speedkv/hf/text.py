@@ -11,6 +11,7 @@ from speedkv.errors import UserError
 class EncodedPrompt:
     ids: list[int]
     header_tokens: int | None  # tokens of the generation header the template appends (chat only)
+    turn_tokens: int | None = None  # the last message's content, its end and the header (chat)
 
 
 def encode_prompt(
@@ -28,17 +29,44 @@ def encode_prompt(
     return encode_messages(tokenizer, messages)
 
 
-def encode_messages(tokenizer, messages: list[dict]) -> EncodedPrompt:
-    """Token ids of a chat conversation ending with the assistant's generation header."""
-    with_header = tokenizer.apply_chat_template(
-        messages, tokenize=False, add_generation_prompt=True
+TURN_MARK = "\u0001speedkv-turn\u0001"  # stands in for the last message to find where it starts
+
+
+def encode_messages(
+    tokenizer, messages: list[dict], generation_header: bool = True
+) -> EncodedPrompt:
+    """Token ids of a chat conversation, ending with the assistant's generation header (or,
+    with generation_header=False, with the last message: a document to cache and continue)."""
+    text = tokenizer.apply_chat_template(
+        messages, tokenize=False, add_generation_prompt=generation_header
     )
-    without = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=False)
-    ids = tokenizer(with_header, add_special_tokens=False)["input_ids"]
+    ids = list(tokenizer(text, add_special_tokens=False)["input_ids"])
     header = None
-    if with_header.startswith(without) and len(with_header) > len(without):
-        header = len(tokenizer(with_header[len(without) :], add_special_tokens=False)["input_ids"])
-    return EncodedPrompt(list(ids), header)
+    if generation_header:
+        without = tokenizer.apply_chat_template(
+            messages, tokenize=False, add_generation_prompt=False
+        )
+        if text.startswith(without) and len(text) > len(without):
+            tail = text[len(without) :]
+            header = len(tokenizer(tail, add_special_tokens=False)["input_ids"])
+    # a document cached without a question has no turn to keep deep
+    turn = _turn_tokens(tokenizer, messages, text, ids) if generation_header else None
+    return EncodedPrompt(ids, header, turn)
+
+
+def _turn_tokens(tokenizer, messages: list[dict], text: str, ids: list[int]) -> int | None:
+    """Tokens from the start of the last message's content to the end: the template is
+    rendered with a marker for that content, and what precedes the marker must tokenize to a
+    prefix of `ids` (else the turn has no token boundary, and None says so)."""
+    marked = [*messages[:-1], {**messages[-1], "content": TURN_MARK}]
+    rendered = tokenizer.apply_chat_template(marked, tokenize=False, add_generation_prompt=False)
+    before, found, _ = rendered.partition(TURN_MARK)
+    if not found or not text.startswith(before):
+        return None
+    head = tokenizer(before, add_special_tokens=False)["input_ids"]
+    if ids[: len(head)] != list(head):
+        return None
+    return len(ids) - len(head)
 
 
 def eos_token_ids(tokenizer, hf_config=None, generation_config=None) -> set[int]:

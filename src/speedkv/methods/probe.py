@@ -51,7 +51,7 @@ def record(
     Returns the recorder and the look-ahead tokens produced (EOS excluded).
     """
     recorder = QueryRecorder(engine.shape, layers)
-    done = engine.prefill(ids, recorder, spare=look_ahead)
+    done = engine.prefill_ids(ids, recorder, spare=look_ahead)
     tokens, logits = [], done.logits
     for step in range(look_ahead - 1):
         token = int(logits.argmax())

@@ -4,13 +4,19 @@ Prompt tokens are computed and cached only in layers `< lcut`; decode-phase toke
 every layer. Three kinds of prompt position:
 
 - anchors (`anchors=bos`: position 0; `sink:K`: positions 0..K-1; `none`): full depth,
-- the deep suffix (the last `deep` prompt tokens, or the chat template's generation header
-  with `deep=header`): treated as decode-phase tokens, so the first new token's logits come
-  from a full-depth state,
+- the deep suffix (the last `deep` prompt tokens; `deep=header`: the chat template's
+  generation header; `deep=turn`: the last message of a chat prompt and the header, so a
+  document in an earlier turn stays shallow and the question is deep): treated as
+  decode-phase tokens, so the first new token's logits come from a full-depth state,
 - shallow tokens: every other prompt position, never computed in layers `>= lcut`.
 
 In upper layers a query therefore sees earlier anchors and earlier deep/generated tokens only,
-because that is all those layers ever hold. `selfonly=true` is the paper's SelfOnly ablation:
+because that is all those layers ever hold.
+
+A SPEED cache does not depend on what follows it, so it can be reused: a prompt that extends a
+cached prefix (another question about a cached document, the next turn of a chat) prefills
+only its new tokens, with the rule applied to them. A token keeps the depth it was first
+computed at. `selfonly=true` is the paper's SelfOnly ablation:
 upper-layer decode-phase tokens see only themselves (and the anchors), so their upper-layer K/V
 is never cached. Position ids are never renumbered.
 
@@ -32,6 +38,8 @@ from speedkv.core.policy import LayerView, Policy, PromptInfo, Stream
 from speedkv.core.registry import register
 from speedkv.errors import UserError
 
+DEEP_RULE = "deep must be a token count >= 1, 'header' or 'turn'"
+
 
 @dataclass(frozen=True)
 class SpeedRule:
@@ -44,14 +52,14 @@ class SpeedRule:
 
     lcut: int  # layers every position runs
     anchors: int = 1  # leading positions kept at full depth
-    deep: int | str = 1  # last prompt tokens kept at full depth, or "header"
+    deep: int | str = 1  # last prompt tokens kept at full depth, or "header" / "turn"
     selfonly: bool = False  # upper-layer deep tokens see only themselves and the anchors
 
     def __post_init__(self):
         if isinstance(self.deep, int) and self.deep < 1:
-            raise UserError(f"deep must be a token count >= 1 or 'header', got {self.deep}")
-        if isinstance(self.deep, str) and self.deep != "header":
-            raise UserError(f"deep must be a token count >= 1 or 'header', got '{self.deep}'")
+            raise UserError(DEEP_RULE + f", got {self.deep}")
+        if isinstance(self.deep, str) and self.deep not in ("header", "turn"):
+            raise UserError(DEEP_RULE + f", got '{self.deep}'")
 
     @classmethod
     def full(cls, num_layers: int) -> SpeedRule:
@@ -71,11 +79,14 @@ class SpeedRule:
         """The same rule with another cutoff."""
         return dataclasses.replace(self, lcut=lcut)
 
-    def deep_tokens(self, header_tokens: int | None) -> int:
-        """D for one prompt: the option, or its chat generation header's length (1 for raw
-        text)."""
+    def deep_tokens(self, header_tokens: int | None, turn_tokens: int | None = None) -> int:
+        """D for one prompt: the option, or the length of its chat generation header
+        (`header`) or of its last message and header (`turn`); 1 where the prompt has none
+        (raw text, or a document cached without a question)."""
         if self.deep == "header":
             return max(1, header_tokens or 1)
+        if self.deep == "turn":
+            return max(1, turn_tokens or 1)
         return int(self.deep)
 
     def full_depth(self, positions: torch.Tensor, prompt_len: int, deep: int) -> torch.Tensor:
@@ -103,6 +114,7 @@ class SpeedRule:
 class Speed(Policy):
     name = "speed"
     degenerate_specs = ("speed:lcut={L},anchors=bos", "speed:lcut={L},anchors=none,deep=5")
+    reusable = True  # depth is decided by position, never by what follows
 
     @dataclass
     class Config:
@@ -130,7 +142,8 @@ class Speed(Policy):
         return self.config.lcut
 
     def begin(self, prompt: PromptInfo) -> None:
-        self.prompt_len, self.deep = prompt.n, self.rule.deep_tokens(prompt.header_tokens)
+        self.prompt_len = prompt.end
+        self.deep = self.rule.deep_tokens(prompt.header_tokens, prompt.turn_tokens)
 
     def computed(self, layer: int, stream: Stream) -> torch.Tensor | None:
         if layer < self.lcut:

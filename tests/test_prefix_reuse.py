@@ -1,0 +1,194 @@
+"""Reusing a cache: a prompt that extends a cached prefix prefills only its new tokens, and
+what it generates equals the dense reference run with the full-depth positions that sequence
+really has (one deep suffix per prefill, every generated token); full attention equals
+itself from scratch; methods whose cache depends on the question refuse."""
+
+import pytest
+import torch
+
+from speedkv.analysis.dense import speed_hidden
+from speedkv.core.engine import Engine, Request
+from speedkv.core.prefix import CachedPrefix, PrefixCache, common_prefix
+from speedkv.core.registry import make_policy
+from speedkv.core.sampling import SamplingParams
+from speedkv.errors import UserError
+from speedkv.methods.speed import SpeedRule
+
+from conftest import random_prompt
+
+DOC, QUESTION, NEW = 41, 9, 6
+
+
+def decode_by_hand(engine, done, policy, steps):
+    """Greedy tokens and every logit row [steps, V] after a prefill."""
+    rows, tokens = [done.logits], [int(done.logits.argmax())]
+    for i in range(steps - 1):
+        row = engine.decode_step([done.cache], [policy], [tokens[-1]], [done.next_position + i])[0]
+        rows.append(row)
+        tokens.append(int(row.argmax()))
+    return tokens, torch.stack(rows)
+
+
+def dense_rows(model, ids, rule, deep_positions, first_row):
+    """Reference logits from position `first_row` on: anchors, the listed positions and
+    everything from `first_row` (the generated tokens and the one that predicts them) are full
+    depth."""
+    pos = torch.arange(len(ids))
+    full = (pos < rule.anchors) | (pos >= first_row)
+    for p in deep_positions:
+        full[p] = True
+    h, kept = speed_hidden(model.backbone, torch.tensor(ids), len(ids), rule, full_depth=full)
+    logits = model.backbone.logits(h)
+    return logits[kept >= first_row]
+
+
+@pytest.mark.parametrize(
+    "spec",
+    [
+        "speed:lcut=3,anchors=bos",
+        "speed:lcut=3,anchors=none,deep=2",
+        "speed:lcut=1,anchors=sink:4,deep=turn",
+        "speed:lcut=3,anchors=bos,selfonly=true",
+    ],
+)
+def test_question_on_a_cached_document_equals_the_dense_reference(tiny, tiny_engine, spec):
+    doc, question = random_prompt(DOC, seed=11), random_prompt(QUESTION, seed=12)
+    cached = tiny_engine.prefill(doc, spec)
+    policy = make_policy(spec, tiny.shape)
+    done = tiny_engine.prefill_ids(
+        question, policy, NEW, turn_tokens=QUESTION, base=cached.cache, start=DOC
+    )
+    tokens, logits = decode_by_hand(tiny_engine, done, policy, NEW)
+    rule = policy.rule
+    document_deep = range(DOC - rule.deep_tokens(None), DOC)  # the document's own deep suffix
+    question_deep = rule.deep_tokens(None, QUESTION)
+    ids = doc + question + tokens[:-1]
+    reference = dense_rows(tiny, ids, rule, document_deep, DOC + QUESTION - question_deep)
+    reference = reference[question_deep - 1 :]  # the rows that predict the new tokens
+    assert reference.argmax(-1).tolist() == tokens
+    assert torch.allclose(logits, reference, atol=1e-4, rtol=0), (logits - reference).abs().max()
+    # the public call gives the same tokens, and the cached prefix is left as it was
+    before = [layer.keys().clone() for layer in cached.cache.layers]
+    again = tiny_engine.generate(cached, question, max_new_tokens=NEW)
+    assert again.output_ids == tokens and again.reused_tokens == DOC
+    assert again.prompt_ids == doc + question
+    assert all(torch.equal(b, layer.keys()) for b, layer in zip(before, cached.cache.layers))
+
+
+def test_full_attention_reused_equals_full_attention_from_scratch(tiny, tiny_engine):
+    doc, question = random_prompt(DOC, seed=3), random_prompt(QUESTION, seed=4)
+    cached = tiny_engine.prefill(doc, "full")
+    reused = tiny_engine.generate(cached, question, max_new_tokens=NEW)
+    scratch = tiny_engine.generate(
+        [Request(doc + question, make_policy("full", tiny.shape), SamplingParams(NEW))]
+    )[0]
+    assert reused.output_ids == scratch.output_ids
+    assert reused.kv_bytes == scratch.kv_bytes and reused.layer_lengths == scratch.layer_lengths
+
+
+def test_kv_bytes_after_reuse_count_each_prefill_deep_suffix(tiny, tiny_engine):
+    L, lcut = tiny.shape.num_layers, 2
+    spec = f"speed:lcut={lcut},anchors=bos,deep=3"
+    cached = tiny_engine.prefill(random_prompt(DOC), spec)
+    result = tiny_engine.generate(cached, random_prompt(QUESTION, seed=2), max_new_tokens=NEW)
+    per = tiny.shape.kv_bytes_per_token_layer(torch.float32)
+    upper = 1 + 3 + 3  # BoS, the document's deep suffix, the question's
+    assert result.layer_lengths == [DOC + QUESTION] * lcut + [upper] * (L - lcut)
+    assert result.kv_bytes == (lcut * (DOC + QUESTION) + (L - lcut) * upper) * per
+
+
+def test_multi_turn_chat_reuses_the_earlier_turn(tiny):
+    """Turn two extends turn one's prompt and answer: the engine's prefix cache hands it the
+    finished sequence's cache, and the result equals the dense reference in which turn one's
+    fed-back answer tokens are full depth."""
+    spec, lcut = "speed:lcut=3,anchors=bos", 3
+    engine = Engine(tiny, chunk_size=16, prefix_cache=PrefixCache(2**30, min_tokens=4))
+    first_prompt, reply = random_prompt(DOC, seed=21), random_prompt(7, seed=22)
+    sampling = SamplingParams(max_new_tokens=5)
+    first = engine.generate([Request(first_prompt, make_policy(spec, tiny.shape), sampling)])[0]
+    second_prompt = first_prompt + first.output_ids + reply
+    policy = make_policy(spec, tiny.shape)
+    second = engine.generate([Request(second_prompt, policy, SamplingParams(NEW))])[0]
+    fed = len(first_prompt) + len(first.output_ids) - 1  # every first-turn token but the last
+    assert second.reused_tokens == fed
+    assert engine.prefix_cache.hits == 1 and engine.prefix_cache.tokens_reused == fed
+    rule = SpeedRule(lcut, 1, 1)
+    deep = [len(first_prompt) - 1, *range(len(first_prompt), fed)]
+    ids = second_prompt + second.output_ids[:-1]
+    reference = dense_rows(tiny, ids, rule, deep, len(second_prompt) - 1)
+    assert reference.argmax(-1).tolist() == second.output_ids
+
+
+def test_two_requests_share_one_prefix_without_touching_it(tiny, tiny_engine):
+    cached = tiny_engine.prefill(random_prompt(DOC), "speed:lcut=2,anchors=bos")
+    a, b = random_prompt(QUESTION, seed=31), random_prompt(QUESTION + 3, seed=32)
+    alone_a = tiny_engine.generate(cached, a, max_new_tokens=NEW).output_ids
+    alone_b = tiny_engine.generate(cached, b, max_new_tokens=NEW).output_ids
+    policy = make_policy(cached.method, tiny.shape)
+    together = tiny_engine.generate(
+        [
+            Request(cached.ids + a, policy, SamplingParams(NEW), None, QUESTION, cached),
+            Request(cached.ids + b, policy, SamplingParams(NEW), None, QUESTION + 3, cached),
+        ]
+    )
+    assert [g.output_ids for g in together] == [alone_a, alone_b]
+
+
+def test_methods_whose_cache_depends_on_the_question_refuse(tiny, tiny_engine):
+    for spec in ("snapkv", "fastkv", "specprefill", "h2o"):
+        with pytest.raises(UserError, match="cannot serve another prompt"):
+            tiny_engine.prefill(random_prompt(DOC), spec)
+    cached = tiny_engine.prefill(random_prompt(DOC), "full")
+    snap = make_policy("snapkv", tiny.shape)
+    with pytest.raises(UserError, match="cannot serve another prompt"):
+        tiny_engine.generate([Request(cached.ids + [1, 2], snap, prefix=cached)])
+    other = make_policy("speed:lcut=2", tiny.shape)
+    with pytest.raises(UserError, match="runs the same method"):
+        tiny_engine.generate([Request(cached.ids + [1, 2], other, prefix=cached)])
+    with pytest.raises(UserError, match="does not start with"):
+        tiny_engine.generate(
+            [
+                Request(
+                    [(cached.ids[0] + 1) % 101, 5], make_policy("full", tiny.shape), prefix=cached
+                )
+            ]
+        )
+
+
+def test_the_engine_prefix_cache_leaves_non_reusable_methods_alone(tiny):
+    engine = Engine(tiny, chunk_size=16, prefix_cache=PrefixCache(2**30, min_tokens=4))
+    ids = random_prompt(DOC)
+    for _ in range(2):
+        engine.generate([Request(ids, make_policy("snapkv", tiny.shape), SamplingParams(3))])
+    assert len(engine.prefix_cache) == 0 and engine.prefix_cache.hits == 0
+
+
+# -- the store ------------------------------------------------------------------------------
+def entry(ids, method="full", nbytes=100):
+    cache = type("Sized", (), {"allocated_bytes": lambda self: nbytes, "nbytes": lambda s: 0})()
+    return CachedPrefix(list(ids), method, cache)
+
+
+def test_prefix_cache_lookup_insert_and_lru_eviction():
+    store = PrefixCache(max_bytes=250, min_tokens=2)
+    store.insert(entry([1, 2, 3, 4]))
+    store.insert(entry([1, 2, 3, 4, 5, 6]))  # extends the first: the first goes
+    assert len(store) == 1
+    store.insert(entry([1, 2]))  # covered by the longer one: nothing new kept
+    assert len(store) == 1
+    assert store.lookup([1, 2, 3, 9], "full")[1] == 3
+    assert store.lookup([1, 2, 3, 4, 5, 6], "full")[1] == 5  # the last token is recomputed
+    assert store.lookup([1, 2, 3], "speed:lcut=2") is None  # another method's cache
+    assert store.lookup([1, 7, 7], "full") is None  # one shared token is below min_tokens
+    store.insert(entry([7, 7, 7]))
+    store.lookup([1, 2, 3, 4], "full")  # freshens the first entry
+    store.insert(entry([8, 8, 8]))  # over 250 bytes: the least recently used ([7, 7, 7]) goes
+    assert store.lookup([7, 7, 7, 7], "full") is None and store.evictions == 1
+    assert store.lookup([8, 8, 8, 1], "full")[1] == 3
+    assert store.bytes() == 200
+    assert (store.hits, store.misses) == (4, 3)
+
+
+def test_common_prefix():
+    assert common_prefix([1, 2, 3], [1, 2, 4, 5]) == 2
+    assert common_prefix([], [1]) == 0 and common_prefix([1, 2], [1, 2]) == 2
