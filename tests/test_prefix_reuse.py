@@ -192,3 +192,125 @@ def test_prefix_cache_lookup_insert_and_lru_eviction():
 def test_common_prefix():
     assert common_prefix([1, 2, 3], [1, 2, 4, 5]) == 2
     assert common_prefix([], [1]) == 0 and common_prefix([1, 2], [1, 2]) == 2
+
+
+# -- the real model, through the chat template ------------------------------------------------
+REAL_SPECS = [
+    "full",
+    "speed:lcut=22,anchors=bos,deep=1",
+    "speed:lcut=22,anchors=bos,deep=turn",
+    "speed:lcut=22,anchors=none,deep=1",
+    "speed:lcut=22,anchors=none,deep=turn",
+]
+
+
+@pytest.fixture(scope="module")
+def real_doc(smol_tokenizer):
+    from speedkv.prompts.haystack import haystack_text
+
+    return haystack_text(smol_tokenizer, 300, split="calib")
+
+
+def rule_of(spec, model):
+    return SpeedRule.of(make_policy(spec, model.shape))
+
+
+def suffix_positions(rule, end, header, turn):
+    """The deep suffix a prefill ending at `end` gives under `rule`."""
+    return range(end - rule.deep_tokens(header, turn), end)
+
+
+def engine_rows(engine, request, prefix, reuse, steps):
+    """The engine's own path by hand (copy of the cached prefix, then the new tokens): greedy
+    tokens and logit rows, to hold against the dense reference."""
+    policy = request.policy.fresh()
+    done = engine.prefill_ids(
+        request.ids[reuse:],
+        policy,
+        steps,
+        request.header_tokens,
+        request.turn_tokens,
+        prefix.cache,
+        reuse,
+    )
+    return decode_by_hand(engine, done, policy, steps)
+
+
+@pytest.mark.real_model
+@pytest.mark.parametrize("spec", REAL_SPECS)
+def test_real_prefix_hit_equals_scratch_and_the_dense_reference(smollm2, real_doc, spec):
+    """Two questions about one document: the second starts from the first's cache (the
+    document turn and the next turn's role header) and equals both its from-scratch run and
+    the dense reference."""
+    from speedkv.hf.text import encode_messages
+
+    engine = Engine(smollm2, prefix_cache=PrefixCache(2**31))
+    tok, steps = smollm2.tokenizer, 6
+    doc = {"role": "user", "content": real_doc}
+    prompts = [
+        encode_messages(tok, [doc, {"role": "user", "content": q}])
+        for q in ("What is the passage about?", "Who wrote the passage above?")
+    ]
+    requests = [
+        Request(
+            p.ids,
+            make_policy(spec, smollm2.shape),
+            SamplingParams(steps),
+            p.header_tokens,
+            p.turn_tokens,
+        )  # fmt: skip
+        for p in prompts
+    ]
+    engine.generate([requests[0]])
+    entry, reuse = engine.prefix_cache.lookup(requests[1].ids, requests[1].policy.spec())
+    hit = engine.generate([requests[1]])[0]
+    scratch = Engine(smollm2).generate([requests[1]])[0]
+    assert hit.reused_tokens == reuse > len(prompts[0].ids) - prompts[0].turn_tokens - 8
+    tokens, logits = engine_rows(engine, requests[1], entry, reuse, steps)
+    assert hit.output_ids == scratch.output_ids == tokens[: len(hit.output_ids)]
+    rule, p = rule_of(spec, smollm2), prompts[1]
+    deep = suffix_positions(rule, len(p.ids), p.header_tokens, p.turn_tokens)
+    reference = dense_rows(smollm2, p.ids + tokens[:-1], rule, deep, len(p.ids) - 1)
+    assert reference.argmax(-1).tolist() == tokens
+    assert torch.allclose(logits, reference, atol=1e-4, rtol=0), (logits - reference).abs().max()
+
+
+@pytest.mark.real_model
+@pytest.mark.parametrize("spec", REAL_SPECS)
+def test_real_multi_turn_chat_equals_the_dense_reference(smollm2, real_doc, spec):
+    """Turn two resends the conversation with turn one's answer: it reuses turn one's prompt
+    and the answer tokens fed back, which keep their full depth."""
+    from speedkv.hf.text import encode_messages
+
+    engine = Engine(smollm2, prefix_cache=PrefixCache(2**31))
+    tok, steps = smollm2.tokenizer, 6
+    turn1 = [{"role": "user", "content": real_doc}, {"role": "user", "content": "Summarise it."}]
+    first = encode_messages(tok, turn1)
+    sampling = SamplingParams(steps)
+    policy = make_policy(spec, smollm2.shape)
+    answer = engine.generate(
+        [Request(first.ids, policy, sampling, first.header_tokens, first.turn_tokens)]
+    )[0]
+    turn2 = [*turn1, {"role": "assistant", "content": answer.text},
+             {"role": "user", "content": "Say it in five words."}]  # fmt: skip
+    second = encode_messages(tok, turn2)
+    request = Request(second.ids, policy, sampling, second.header_tokens, second.turn_tokens)
+    entry, reuse = engine.prefix_cache.lookup(second.ids, policy.spec())
+    fed = len(first.ids) + len(answer.output_ids) - 1
+    # the re-encoded conversation extends the cached prompt and the answer tokens fed back, up
+    # to where encoding the answer's text again gives other tokens (if it does)
+    assert len(first.ids) < reuse <= fed
+    result = engine.generate([request])[0]
+    tokens, logits = engine_rows(engine, request, entry, reuse, steps)
+    # the engine stops at EOS; the hand path decodes on
+    assert tokens[: len(result.output_ids)] == result.output_ids
+    assert result.reused_tokens == reuse
+    rule = rule_of(spec, smollm2)
+    deep = [
+        *suffix_positions(rule, len(first.ids), first.header_tokens, first.turn_tokens),
+        *range(len(first.ids), reuse),  # turn one's answer, fed back at full depth
+        *suffix_positions(rule, len(second.ids), second.header_tokens, second.turn_tokens),
+    ]
+    reference = dense_rows(smollm2, second.ids + tokens[:-1], rule, deep, len(second.ids) - 1)
+    assert reference.argmax(-1).tolist() == tokens
+    assert torch.allclose(logits, reference, atol=1e-4, rtol=0), (logits - reference).abs().max()
