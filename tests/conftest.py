@@ -81,3 +81,33 @@ def smollm2() -> LoadedModel:
     from speedkv.hf.loading import load_model
 
     return load_model("smollm2-135m", dtype="float32", device="cpu", progress=False)
+
+
+@pytest.fixture(scope="session")
+def word_model(smol_tokenizer) -> LoadedModel:
+    """A tiny random Llama that speaks SmolLM2's vocabulary and chat template, so whole
+    evaluation tasks and benchmarks run in seconds (never modified by a test)."""
+    torch.manual_seed(0)
+    config = LlamaConfig(
+        vocab_size=len(smol_tokenizer),
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=4,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=1024,
+        bos_token_id=1,
+        eos_token_id=2,
+    )
+    hf = LlamaForCausalLM(config).eval().requires_grad_(False)
+    return LoadedModel(name="tiny-words", hf_model=hf, tokenizer=smol_tokenizer, source="memory")
+
+
+@pytest.fixture(scope="module")
+def one_thread():
+    """torch on one thread for a module's tests (tiny models are latency-bound: one thread
+    avoids contention on a shared CPU)."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)

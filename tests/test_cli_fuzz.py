@@ -20,6 +20,10 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from speedkv.cli import app as cli
+from speedkv.core.engine import Engine
+from speedkv.core.prefix_file import save_prefix
+
+from conftest import tiny_model
 
 APP = typer.main.get_command(cli.app)  # what `cli.app(...)` builds on every call, built once
 COMMANDS = APP.commands
@@ -39,7 +43,7 @@ ODD_TEXT = [
 PRINTABLE = st.characters(exclude_categories=("Cc", "Cs"))
 ODD_FILES = (
     "binary", "latin1", "nul", "empty", "blank", "huge", "unreadable", "directory",
-    "dangling", "missing", "junk_run",
+    "dangling", "missing", "junk_run", "prefix.kv",
 )  # fmt: skip
 
 
@@ -70,6 +74,9 @@ def place(tmp_path_factory) -> Path:
     junk.mkdir()
     for name in ("adapter_config.json", "training.json", "results.json", "run.json"):
         (junk / name).write_bytes(garbage)
+    # a whole prefix file (of a tiny model), so that --load gets past its own checks
+    engine = Engine(tiny_model("llama"))
+    save_prefix(engine.prefill(list(range(1, 20)), "speed:lcut=2"), root / "prefix.kv", engine)
     return root
 
 

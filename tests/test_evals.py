@@ -7,7 +7,6 @@ import json
 
 import pytest
 import torch
-from transformers import LlamaConfig, LlamaForCausalLM
 
 from speedkv.analysis.dense import speed_dense_forward
 from speedkv.core.registry import make_policy
@@ -17,47 +16,21 @@ from speedkv.evals.documents import Fact, plant_all
 from speedkv.evals.report import metric_table, misses_markdown, percent, results_markdown, summarise
 from speedkv.evals.runner import EvalConfig, EvalRunner
 from speedkv.evals.tasks import DEFAULT_N, parse_depths, parse_n, parse_tasks
-from speedkv.hf.loading import LoadedModel
 from speedkv.prompts.haystack import essays, sentences, split_names
 
 from conftest import random_prompt
 from helpers import run_cli
 
+# tiny models are latency-bound: one thread avoids contention on a shared CPU
+pytestmark = pytest.mark.usefixtures("one_thread")
+
 DEPTHS = [0.1, 0.5, 0.9]
-
-
-@pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    """Tiny models are latency-bound: one thread avoids contention on a shared CPU."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
 
 
 @pytest.fixture(scope="module")
 def tokenizer(smol_tokenizer):
     """SmolLM2's tokenizer and chat template (no weights loaded)."""
     return smol_tokenizer
-
-
-@pytest.fixture(scope="module")
-def word_model(tokenizer) -> LoadedModel:
-    """A tiny random Llama that speaks SmolLM2's vocabulary, so whole tasks run in seconds."""
-    torch.manual_seed(0)
-    config = LlamaConfig(
-        vocab_size=len(tokenizer),
-        hidden_size=32,
-        intermediate_size=64,
-        num_hidden_layers=4,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=1024,
-        bos_token_id=1,
-        eos_token_id=2,
-    )
-    hf = LlamaForCausalLM(config).eval().requires_grad_(False)
-    return LoadedModel(name="tiny-words", hf_model=hf, tokenizer=tokenizer, source="memory")
 
 
 # -- prompts --------------------------------------------------------------------------------
@@ -115,19 +88,23 @@ def test_too_short_a_length_is_refused(tokenizer):
 
 # -- scoring --------------------------------------------------------------------------------
 @pytest.mark.parametrize(
-    "task, answer, expected, found",
+    "answer, expected, found",
     [
-        ("niah", "The pass key is 60494.", ["60494"], ["60494"]),
-        ("niah", "The pass key is 60,494!", ["60494"], ["60494"]),
-        ("niah", "It is 604945.", ["60494"], []),
-        ("niah", "The pass key is 6049.", ["60494"], []),
-        ("niah_multivalue", "1. 111\n2. 222 and 333", ["111", "333", "444"], ["111", "333"]),
-        ("vt", "They are: abcde, VAR FGHIJ = x", ["ABCDE", "FGHIJ", "KLMNO"], ["ABCDE", "FGHIJ"]),
-        ("vt", "XABCDE", ["ABCDE"], []),
+        ("The pass key is 60494.", ["60494"], ["60494"]),
+        ("The pass key is 60,494!", ["60494"], ["60494"]),
+        ("It is 604945.", ["60494"], []),
+        ("The pass key is 6049.", ["60494"], []),
+        ("1. 111\n2. 222 and 333", ["111", "333", "444"], ["111", "333"]),
+        ("They are: abcde, VAR FGHIJ = x", ["ABCDE", "FGHIJ", "KLMNO"], ["ABCDE", "FGHIJ"]),
+        ("XABCDE", ["ABCDE"], []),
+        ("It is held on the 14th of march.", ["March", "14"], ["March", "14"]),
+        ("On March 4.", ["March", "14"], ["March"]),
+        ("Oslo's twin, Osloville", ["Oslo"], ["Oslo"]),
     ],
 )
-def test_found_values(task, answer, expected, found):
-    assert needles.found_values(task, answer, expected) == found
+def test_found_values(answer, expected, found):
+    """Numbers match as whole numbers, words as whole words (case ignored)."""
+    assert needles.found_values(answer, expected) == found
 
 
 def test_token_agreement():

@@ -26,6 +26,7 @@ SPEEDKV = str(Path(sys.executable).parent / "speedkv")
 SMALL = {
     "generate": ["--max-new-tokens", "4"],
     "bench": ["--lengths", "256", "--max-new-tokens", "4", "--repeats", "1"],
+    "bench-reuse": ["--lengths", "256", "--repeats", "1", "--questions", "1"],
     "demo": ["--prompt-tokens", "300", "--max-new-tokens", "4"],
     "eval": ["--lengths", "512", "--samples", "1"],
     "diagnose": ["--samples", "2", "--doc-tokens", "32", "--max-new-tokens", "4"],

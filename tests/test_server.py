@@ -23,9 +23,11 @@ from transformers import LlamaConfig, LlamaForCausalLM
 
 from speedkv.cli import app as cli
 from speedkv.core.engine import Engine, Request
+from speedkv.core.prefix import PrefixCache
 from speedkv.core.registry import make_policy
 from speedkv.core.sampling import SamplingParams
 from speedkv.hf.loading import LoadedModel
+from speedkv.prompts.haystack import haystack_text
 from speedkv.server import ServerConfig, create_app
 from speedkv.server.errors import validation_message
 from speedkv.server.prepare import _nth_seed
@@ -168,7 +170,12 @@ def test_streamed_chat_equals_whole_answer(client):
     finishes = [c.choices[0].finish_reason for c in chunks if c.choices]
     assert text == whole.choices[0].message.content
     assert finishes[-1] == whole.choices[0].finish_reason and set(finishes[:-1]) == {None}
-    assert chunks[-1].choices == [] and chunks[-1].usage == whole.usage
+    usage = chunks[-1].usage
+    assert chunks[-1].choices == [] and usage.model_dump(exclude={"prompt_tokens_details"}) == (
+        whole.usage.model_dump(exclude={"prompt_tokens_details"})
+    )
+    # the same prompt again: all of it but the last token came from the prefix cache
+    assert usage.prompt_tokens_details.cached_tokens == usage.prompt_tokens - 1
 
 
 @pytest.mark.real_model
@@ -438,6 +445,146 @@ def test_several_choices_streamed_and_seeded(client):
     assert sorted(c.choices[0].index for c in streamed if c.choices[0].finish_reason) == [0, 1]
 
 
+# -- prefix caching ---------------------------------------------------------------------------
+HITS, MISSES = "speedkv_prefix_cache_hits_total", "speedkv_prefix_cache_misses_total"
+REUSED = "speedkv_prefix_cache_reused_tokens_total"
+EVICTIONS = "speedkv_prefix_cache_evictions_total"
+ENTRIES, CACHED_BYTES = "speedkv_prefix_cache_entries", "speedkv_prefix_cache_bytes"
+DOCUMENT_TOKENS = 4000
+
+
+@pytest.fixture(scope="module")
+def document_server(smollm2):
+    """Prompts up to the model's context, prefix caching as `speedkv serve` has it."""
+    live = LiveServer(create_app(Engine(smollm2), ServerConfig(model_name=MODEL, api_key=KEY)))
+    yield live
+    live.stop()
+
+
+def ask_about(client, document: str, question: str, method: str):
+    """The document as the system message, the question as the user's."""
+    return client.chat.completions.create(
+        model=MODEL,
+        messages=[{"role": "system", "content": document}, {"role": "user", "content": question}],
+        max_tokens=2,
+        temperature=0,
+        extra_body={"speedkv": {"method": method}},
+    )
+
+
+def delta(before: dict[str, float], after: dict[str, float], name: str) -> float:
+    return after.get(name, 0.0) - before.get(name, 0.0)
+
+
+@pytest.mark.real_model
+@pytest.mark.parametrize("method", ["full", SPEED])
+def test_a_second_question_about_a_document_skips_its_prefill(document_server, smollm2, method):
+    document = haystack_text(smollm2.tokenizer, DOCUMENT_TOKENS)
+    client = document_server.client()
+    before = document_server.metrics()
+    first = ask_about(client, document, "Who wrote this text?", method)
+    second = ask_about(client, document, "What is its main idea?", method)
+    after = document_server.metrics()
+    assert first.usage.prompt_tokens > DOCUMENT_TOKENS - 100
+    assert first.usage.prompt_tokens_details.cached_tokens == 0
+    reused = second.speedkv[0]["reused_tokens"]
+    # everything up to the question: the document and the template around it
+    assert reused == second.usage.prompt_tokens_details.cached_tokens
+    assert reused > first.usage.prompt_tokens - 16
+    ttfts = first.speedkv[0]["ttft_s"], second.speedkv[0]["ttft_s"]
+    assert ttfts[1] <= 0.1 * ttfts[0], ttfts
+    assert (delta(before, after, HITS), delta(before, after, MISSES)) == (1, 1)
+    assert delta(before, after, REUSED) == reused
+    assert after[CACHED_BYTES] > 0 and after[ENTRIES] >= 2
+
+
+@pytest.mark.real_model
+@pytest.mark.parametrize("method", ["full", SPEED])
+def test_multi_turn_chat_reuses_the_first_turn(client, method):
+    def say(messages):
+        return client.chat.completions.create(
+            model=MODEL,
+            messages=messages,
+            max_tokens=16,
+            temperature=0,
+            extra_body={"speedkv": {"method": method}},
+        )
+
+    turn = [{"role": "user", "content": "Name a river in Europe."}]
+    first = say(turn)
+    answer = {"role": "assistant", "content": first.choices[0].message.content}
+    second = say([*turn, answer, {"role": "user", "content": "How long is it?"}])
+    reused = second.speedkv[0]["reused_tokens"]
+    assert second.usage.prompt_tokens_details.cached_tokens == reused
+    # the first turn's prompt and its answer, up to (not including) its last generated token
+    prompt, answer_tokens = first.usage.prompt_tokens, first.usage.completion_tokens
+    assert prompt < reused <= prompt + answer_tokens - 1
+
+
+def cold_completions(model: LoadedModel, prompts: list[str], method: str, tokens: int) -> list:
+    """What an engine without a prefix cache answers to each prompt alone (greedy)."""
+    engine = Engine(model)
+    requests = [
+        Request(
+            model.tokenizer(p)["input_ids"],
+            make_policy(method, model.shape),
+            SamplingParams(max_new_tokens=tokens, ignore_eos=True),
+        )
+        for p in prompts
+    ]
+    return [engine.generate([r])[0].text for r in requests]
+
+
+def complete(client, prompt, method: str, tokens: int, **kwargs):
+    return client.completions.create(
+        model=MODEL,
+        prompt=prompt,
+        max_tokens=tokens,
+        temperature=0,
+        extra_body={"speedkv": {"method": method, "ignore_eos": True}},
+        **kwargs,
+    )
+
+
+@pytest.mark.real_model
+def test_concurrent_requests_sharing_a_prefix_equal_sequential_ones(client, smollm2):
+    document = haystack_text(smollm2.tokenizer, 150, start=40)
+    prompts = [f"{document}\n\nQuestion: {q}\nAnswer:" for q in ("Who?", "Where?", "When?")]
+    with ThreadPoolExecutor(len(prompts)) as pool:
+        together = list(pool.map(lambda p: complete(client, p, SPEED, 6), prompts))
+    alone = [complete(client, p, SPEED, 6) for p in prompts]
+    texts = [a.choices[0].text for a in together]
+    assert texts == [a.choices[0].text for a in alone]
+    assert texts == cold_completions(smollm2, prompts, SPEED, 6)
+    # the first one prefilled the document; the others started from its cache
+    reused = sorted(a.speedkv[0]["reused_tokens"] for a in together)
+    document_tokens = len(smollm2.tokenizer(document)["input_ids"])
+    assert reused[0] == 0 and reused[1] >= document_tokens - 1
+
+
+@pytest.mark.real_model
+def test_a_cancelled_request_leaves_the_prefix_cache_consistent(client, server, smollm2):
+    document = haystack_text(smollm2.tokenizer, 120, start=80)
+    kept, dropped = f"{document}\n\nIn short,", f"{document}\n\nTo sum up,"
+    first = complete(client, kept, "full", 6)
+    before = server.metrics()
+    stream = complete(client, dropped, "full", 64, stream=True)
+    for count, _ in enumerate(stream):
+        if count == 3:
+            break
+    stream.close()  # the client leaves: its sequence is cancelled mid-decode
+    after = server.wait_for(lambda m: m["speedkv_requests_running"] == 0)
+    assert delta(before, after, HITS) == 1  # it had extended the document's cached prefix
+    again = complete(client, kept, "full", 6)
+    resumed = complete(client, dropped, "full", 6)  # from what the cancelled one left
+    assert again.choices[0].text == first.choices[0].text
+    assert again.speedkv[0]["reused_tokens"] == again.usage.prompt_tokens - 1
+    assert resumed.speedkv[0]["reused_tokens"] == resumed.usage.prompt_tokens - 1
+    assert resumed.choices[0].text == cold_completions(smollm2, [dropped], "full", 6)[0]
+    errors = 'speedkv_sequences_finished_total{reason="error"}'
+    assert server.metrics().get(errors, 0.0) == before.get(errors, 0.0)
+
+
 # -- schemathesis ------------------------------------------------------------------------
 SCHEMATHESIS = Path(sys.executable).parent / "schemathesis"
 
@@ -538,6 +685,102 @@ def test_scheduler_queue_batching_and_cancellation(tiny, tiny_engine):
     assert value("speedkv_decode_batch_size_sum") > value("speedkv_decode_batch_size_count")
 
 
+# -- prefix caching on tiny models -------------------------------------------------------------
+def post_completion(live: LiveServer, prompt: list[int], **body) -> dict:
+    response = httpx.post(
+        f"{live.url}/v1/completions",
+        json={"model": "tiny", "prompt": prompt, "max_tokens": 3, "temperature": 0, **body},
+        timeout=60,
+    )
+    assert response.status_code == 200, response.text
+    return response.json()
+
+
+def test_prefix_cache_shows_in_usage_stats_metrics_and_the_model_card(tiny):
+    config = ServerConfig(model_name="tiny", prefix_cache_bytes=2**20, prefix_min_tokens=8)
+    live = LiveServer(create_app(Engine(tiny), config))
+    try:
+        document = random_prompt(40, seed=5)
+        first = post_completion(live, [*document, 7, 8, 9])
+        second = post_completion(live, [*document, 10, 11, 12])
+        # n=2: the second choice reuses the first's prompt, which says nothing about the
+        # client's earlier requests, so the prompt's cached tokens are the first choice's
+        both = post_completion(live, random_prompt(30, seed=6), n=2)
+        metrics = live.metrics()
+        card = httpx.get(f"{live.url}/v1/models").json()["data"][0]["speedkv"]
+    finally:
+        live.stop()
+    assert first["usage"]["prompt_tokens_details"] == {"cached_tokens": 0}
+    assert second["usage"]["prompt_tokens_details"] == {"cached_tokens": 40}
+    assert [c["reused_tokens"] for c in second["speedkv"]] == [40]
+    assert [c["reused_tokens"] for c in both["speedkv"]] == [0, 29]
+    assert both["usage"]["prompt_tokens_details"] == {"cached_tokens": 0}
+    assert (metrics[HITS], metrics[MISSES], metrics[REUSED]) == (2, 2, 69)
+    assert metrics[ENTRIES] == 3 and metrics[EVICTIONS] == 0  # one per finished prompt
+    assert 0 < metrics[CACHED_BYTES] <= 2**20
+    assert (card["prefix_cache_bytes"], card["prefix_min_tokens"]) == (2**20, 8)
+
+
+def test_prefix_cache_evicts_the_least_recently_used_past_its_bound(tiny):
+    # room for one 40-token prompt and its 3 new tokens, not two
+    per_token = tiny.shape.kv_bytes_per_token_layer(torch.float32) * tiny.shape.num_layers
+    config = ServerConfig(model_name="tiny", prefix_cache_bytes=60 * per_token)
+    live = LiveServer(create_app(Engine(tiny), config))
+    try:
+        a, b = random_prompt(40, seed=7), random_prompt(40, seed=8)
+        post_completion(live, a)
+        post_completion(live, b)  # a goes
+        again = post_completion(live, a)
+        metrics = live.metrics()
+    finally:
+        live.stop()
+    assert again["speedkv"][0]["reused_tokens"] == 0
+    assert metrics[EVICTIONS] == 2 and metrics[ENTRIES] == 1  # b went when a came back
+    assert metrics[CACHED_BYTES] <= 60 * per_token and metrics[HITS] == 0
+
+
+def test_prefix_caching_is_off_at_zero_bytes(tiny):
+    config = ServerConfig(model_name="tiny", prefix_cache_bytes=0)
+    engine = Engine(tiny)
+    live = LiveServer(create_app(engine, config))
+    try:
+        prompt = random_prompt(40, seed=9)
+        answers = [post_completion(live, prompt) for _ in range(2)]
+        card = httpx.get(f"{live.url}/v1/models").json()["data"][0]["speedkv"]
+        metrics = live.metrics()
+    finally:
+        live.stop()
+    assert engine.prefix_cache is None and card["prefix_cache_bytes"] == 0
+    assert [a["speedkv"][0]["reused_tokens"] for a in answers] == [0, 0]
+    assert metrics[MISSES] == 0 and metrics[ENTRIES] == 0
+
+
+def test_a_method_that_cannot_reuse_is_served_without_touching_the_prefix_cache(
+    smol_tokenizer,
+):
+    model = tiny_model_with_tokenizer(smol_tokenizer)
+    engine = Engine(model, prefix_cache=PrefixCache(2**30, min_tokens=4))
+    live = LiveServer(create_app(engine, ServerConfig(model_name=MODEL)))
+    prompt = "The river flows past the old mill and into the quiet town below."
+    body = {"model": MODEL, "prompt": prompt, "max_tokens": 4, "temperature": 0}
+    body["speedkv"] = {"method": "snapkv:window=4", "ignore_eos": True}
+    try:
+        answers = [
+            httpx.post(f"{live.url}/v1/completions", json=body, timeout=60).json() for _ in range(2)
+        ]
+        metrics = live.metrics()
+    finally:
+        live.stop()
+    ids = smol_tokenizer(prompt)["input_ids"]
+    policy = make_policy("snapkv:window=4", model.shape)
+    cold = Engine(model).generate([Request(ids, policy, SamplingParams(4, ignore_eos=True))])[0]
+    assert [a["choices"][0]["text"] for a in answers] == [cold.text, cold.text]
+    assert [a["speedkv"][0]["reused_tokens"] for a in answers] == [0, 0]
+    assert len(engine.prefix_cache) == 0
+    assert engine.prefix_cache.hits == engine.prefix_cache.misses == 0
+    assert metrics.get(MISSES, 0.0) == 0 and metrics.get(ENTRIES, 0.0) == 0
+
+
 # -- the command -----------------------------------------------------------------------------
 @pytest.mark.parametrize(
     "args, says",
@@ -552,6 +795,8 @@ def test_scheduler_queue_batching_and_cancellation(tiny, tiny_engine):
         (["--api-key", " "], "API key is empty"),
         (["--threads", "-1"], "threads must be 0"),
         (["--log-level", "loud"], "log-level"),
+        (["--prefix-cache-bytes", "-1"], "prefix-cache-bytes must be 0"),
+        (["--prefix-min-tokens", "0"], "prefix-min-tokens must be at least 1"),
     ],
 )
 def test_serve_rejects_bad_options_before_loading_the_model(args, says, monkeypatch, capsys):
@@ -596,6 +841,8 @@ def test_server_config_is_checked(tiny):
         ({"max_prompt_tokens": tiny.shape.max_positions}, "max-prompt-tokens"),
         ({"method": "speed:lcut=99"}, "lcut"),
         ({"api_key": " "}, "API key"),
+        ({"prefix_cache_bytes": -1}, "prefix-cache-bytes"),
+        ({"prefix_min_tokens": 0}, "prefix-min-tokens"),
     ]:
         with pytest.raises(UserError, match=says):
             ServerConfig(model_name="m", **bad).validate(tiny.shape)

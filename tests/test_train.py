@@ -25,14 +25,18 @@ SPECS = [
     "speed:lcut=3,anchors=none,deep=4",
     "speed:lcut=5,anchors=sink:4,selfonly=true",
     "speed:lcut=2,anchors=bos,deep=header",
+    "speed:lcut=2,anchors=bos,deep=turn",
 ]
 HEADER = 3  # generation-header length passed for deep=header
+TURN = 7  # last-message-and-header length passed for deep=turn
 
 
 def engine_response_logits(engine: Engine, spec: str, prompt: list[int], response: list[int]):
     """Logits predicting each response token through the engine's real prefill and decode."""
     policy = make_policy(spec, engine.shape)
-    done = engine.prefill_ids(prompt, policy, spare=len(response), header_tokens=HEADER)
+    done = engine.prefill_ids(
+        prompt, policy, spare=len(response), header_tokens=HEADER, turn_tokens=TURN
+    )
     rows = [done.logits]
     for i, token in enumerate(response[:-1]):
         position = done.next_position + i
@@ -69,7 +73,7 @@ def test_training_forward_equals_engine_logits(tiny, tiny_engine, spec):
     expected = engine_response_logits(tiny_engine, spec, prompt, response)
     vis = visibility_for(spec, tiny.shape)
     ids = torch.tensor(prompt + response)
-    got = response_logits(tiny.backbone, ids, len(prompt), vis, header_tokens=HEADER)
+    got = response_logits(tiny.backbone, ids, len(prompt), vis, HEADER, TURN)
     assert got.shape == expected.shape == (len(response), tiny.shape.vocab_size)
     assert torch.allclose(got, expected, atol=1e-4, rtol=0), (got - expected).abs().max()
 
@@ -92,6 +96,23 @@ def test_lora_training_forward_equals_engine_on_merged_adapter(tiny, tmp_path):
     base = engine_response_logits(Engine(tiny, chunk_size=16), spec, prompt, response)
     assert not torch.allclose(base, expected, atol=1e-2)  # the adapter changes the answer
     assert torch.allclose(got, expected, atol=1e-4, rtol=0), (got - expected).abs().max()
+
+
+def test_the_objective_keeps_an_examples_turn_deep_under_deep_turn(tiny):
+    """Training with deep=turn trains the rule it names: the example's turn is full depth."""
+    from speedkv.train.data import Example
+
+    objective = SpeedObjective(lora_copy(tiny), visibility_for(SPECS[-1], tiny.shape))
+    ids = torch.tensor(random_prompt(40, seed=3) + random_prompt(9, seed=4))
+    targets = ids[40:]
+    with torch.no_grad():
+        losses = [
+            objective.example_parts(Example(ids, 40, HEADER, "t", turn)).ce_sum
+            for turn in (TURN, None)
+        ]
+        logits = response_logits(objective.backbone, ids, 40, objective.vis, HEADER, TURN)
+    expected = float(torch.nn.functional.cross_entropy(logits, targets, reduction="sum"))
+    assert losses[0] == pytest.approx(expected, rel=1e-5) and losses[1] != pytest.approx(expected)
 
 
 def test_upper_layers_run_only_anchors_and_deep_positions(tiny, monkeypatch):
@@ -210,12 +231,14 @@ def test_chat_and_raw_records_tokenise_as_inference_does(smol_tokenizer):
     encoded = encode_messages(tok, user)
     assert example.ids[: example.prompt_len].tolist() == encoded.ids
     assert example.header_tokens == encoded.header_tokens
+    assert example.turn_tokens == encoded.turn_tokens and 3 < example.turn_tokens < len(encoded.ids)
     assert tok.decode(example.ids[example.prompt_len :]) == "It is 42.<|im_end|>"
     cut = tokenize_record(tok, {**record, "eos": False})
     assert tok.decode(cut.ids[cut.prompt_len :]) == "It is 42."
     raw = tokenize_record(tok, {"prompt": "Once upon a time", "response": " there was"})
     assert raw.ids.tolist() == tok("Once upon a time")["input_ids"] + tok(" there was")["input_ids"]
     assert raw.prompt_len == len(tok("Once upon a time")["input_ids"]) and raw.header_tokens is None
+    assert raw.turn_tokens is None
 
 
 def test_user_jsonl_is_validated_line_by_line(tmp_path):

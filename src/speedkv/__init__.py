@@ -9,6 +9,8 @@ the tools and faces built on them.
 
 from speedkv import methods  # noqa: F401  (importing the package registers every method)
 from speedkv.core.engine import Engine, Generation, Request
+from speedkv.core.prefix import CachedPrefix, PrefixCache
+from speedkv.core.prefix_file import load_prefix, save_prefix
 from speedkv.core.registry import MethodSpec, make_policy, method_names, parse_spec
 from speedkv.core.sampling import SamplingParams
 from speedkv.errors import UserError
@@ -16,15 +18,19 @@ from speedkv.hf.loading import load_model
 from speedkv.version import __version__
 
 __all__ = [
+    "CachedPrefix",
     "Engine",
     "Generation",
     "MethodSpec",
+    "PrefixCache",
     "Request",
     "SamplingParams",
     "UserError",
     "__version__",
     "load_model",
+    "load_prefix",
     "make_policy",
     "method_names",
     "parse_spec",
+    "save_prefix",
 ]

@@ -22,10 +22,12 @@ def speed_hidden(
     rule: SpeedRule,
     header_tokens: int | None = None,
     full_depth: torch.Tensor | None = None,
+    turn_tokens: int | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Final-normed hidden states [m, H] at every full-depth position of `ids` ([T] or
     [1, T]) under `rule`, and those positions [m]. With lcut == L every position is full
-    depth and this is the model's ordinary forward.
+    depth and this is the model's ordinary forward. `header_tokens` and `turn_tokens` size
+    the deep suffix of `deep=header` and `deep=turn` (SpeedRule.deep_tokens).
 
     `full_depth` (bool [T]) names the full-depth positions outright instead of the rule's
     anchors and deep suffix: a sequence built in several prefills (a cached document, then
@@ -37,7 +39,7 @@ def speed_hidden(
     if rule.lcut < layers:
         keep = full_depth.to(pos.device) if full_depth is not None else None
         if keep is None:
-            keep = rule.full_depth(pos, prompt_len, rule.deep_tokens(header_tokens))
+            keep = rule.full_depth(pos, prompt_len, rule.deep_tokens(header_tokens, turn_tokens))
         h, pos = h[:, keep], pos[keep]
         h = _layers(backbone, rule, range(rule.lcut, layers), h, pos)
     return backbone.final_norm(h)[0], pos

@@ -20,23 +20,32 @@ def format_axis(ax, metric: str, label: str) -> None:
     ax.grid(alpha=0.3)
 
 
-def plot(result: dict, out: Path) -> None:
+def pyplot():
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
+    return plt
+
+
+def method_styles(plt, methods: list[str]) -> dict[str, dict]:
+    """A colour and a marker per method: a dozen methods outrun any default colour cycle."""
+    return {
+        m: dict(color=plt.cm.tab20(i % 20), marker="osD^v<>ph*Xd"[i % 12])
+        for i, m in enumerate(methods)
+    }
+
+
+def plot(result: dict, out: Path) -> None:
+    plt = pyplot()
     panels = [
         ("ttft_s", "TTFT (s)", 1.0),
         ("tpot_s", "TPOT (ms)", 1e3),
         ("kv_bytes", "KV at first token (MiB)", 2**-20),
     ]
     methods = result["methods"]
-    # a colour and a marker per method: a dozen methods outrun any default colour cycle
-    style = {
-        m: dict(color=plt.cm.tab20(i % 20), marker="osD^v<>ph*Xd"[i % 12])
-        for i, m in enumerate(methods)
-    }
+    style = method_styles(plt, methods)
     legend_rows = (len(methods) + 1) // 2
     height = 4.2 + 0.17 * legend_rows
     fig, axes = plt.subplots(1, 3, figsize=(15, height))

@@ -12,18 +12,28 @@ HF = "hf"  # pseudo-method: the model's own `generate`, as a baseline for our `f
 
 
 def write_outputs(result: dict, out: Path) -> None:
+    write_cells(result, out)
+    (out / "table.md").write_text(markdown_table(result))
+    (out / "report.md").write_text(report_markdown(result))
+    plot(result, out)
+
+
+def write_cells(result: dict, out: Path) -> None:
+    """results.json, and results.csv with a row per cell (method and length first)."""
     (out / "results.json").write_text(json.dumps(result, indent=2))
     cells = result["cells"]
     columns = ["method", "length", "repeats"] + [
         k for k in cells[0] if k not in ("method", "length", "repeats")
     ]
     with (out / "results.csv").open("w", newline="") as f:
-        writer = csv.DictWriter(f, fieldnames=columns)
+        writer = csv.DictWriter(f, fieldnames=columns, extrasaction="ignore")
         writer.writeheader()
         writer.writerows(cells)
-    (out / "table.md").write_text(markdown_table(result))
-    (out / "report.md").write_text(report_markdown(result))
-    plot(result, out)
+
+
+def fmt(value: float | None, spec: str, scale: float = 1.0) -> str:
+    """A table cell: the value scaled and formatted, or a dash when there is none."""
+    return "–" if value is None else format(value * scale, spec)
 
 
 def markdown_table(result: dict) -> str:
@@ -33,10 +43,6 @@ def markdown_table(result: dict) -> str:
         "| peak RSS GiB | TTFT x | TPOT x | KV x | FLOPs x |",
         "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
-
-    def fmt(value, spec, scale=1.0):
-        return "–" if value is None else format(value * scale, spec)
-
     for c in result["cells"]:
         lines.append(
             f"| `{c['method']}` | {c['length']} | {fmt(c['ttft_s'], '.3f')} | "
@@ -52,23 +58,16 @@ def markdown_table(result: dict) -> str:
 
 def report_markdown(result: dict, images: str = ".") -> str:
     """A self-contained report: command, machine, table and the efficiency figure."""
-    cfg, machine = result["config"], result["machine"]
+    cfg = result["config"]
     return "\n".join(
         [
             f"# Efficiency of every method on `{cfg['model']}` ({result['dtype']})",
             "",
-            f"Measured {result['date']} with:",
-            "",
-            "```bash",
-            cfg.get("command") or "speedkv bench",
-            "```",
-            "",
+            *measured_with(result, "speedkv bench"),
             f"Model `{cfg['model']}` in {result['dtype']}; {cfg['new_tokens']} new tokens per run; "
             f"medians of {cfg['repeats']} repeats after one warm-up, methods interleaved within "
-            f"each repeat; ratios against `full` from the same repeat. Machine: {machine['cpu']}, "
-            f"{machine['threads']} threads, torch {machine['torch']}, transformers "
-            f"{machine['transformers']}. FLOPs x is the prefill cost-model ratio (layer-token "
-            "matmuls plus attention pairs).",
+            f"each repeat; ratios against `full` from the same repeat. {machine_sentence(result)} "
+            "FLOPs x is the prefill cost-model ratio (layer-token matmuls plus attention pairs).",
             "",
             limits_sentence(result),
             "",
@@ -77,6 +76,20 @@ def report_markdown(result: dict, images: str = ".") -> str:
             f"![TTFT, TPOT and KV memory against prompt length]({images}/efficiency.png)",
             "",
         ]
+    )
+
+
+def measured_with(result: dict, default_command: str) -> list[str]:
+    """The lines saying when and with which command a result was measured."""
+    command = result["config"].get("command") or default_command
+    return [f"Measured {result['date']} with:", "", "```bash", command, "```", ""]
+
+
+def machine_sentence(result: dict) -> str:
+    machine = result["machine"]
+    return (
+        f"Machine: {machine['cpu']}, {machine['threads']} threads, torch {machine['torch']}, "
+        f"transformers {machine['transformers']}."
     )
 
 

@@ -16,6 +16,7 @@ from __future__ import annotations
 import json
 import statistics
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -140,21 +141,13 @@ class Bench:
             "dtype": self.model.dtype_name,
             "new_tokens": cfg.new_tokens,
         }
-        runs = self._load_runs(runs_path, header) if resume else []
+        settings = "model, dtype and max-new-tokens"
+        runs = start_runs(runs_path, header, settings, resume, self.methods, cfg.lengths)
         if progress:
             # stderr, like every progress line: stdout carries the table or --json
             log(f"machine limits: {self.limits().describe()}", source="bench")
-        if not resume:
-            runs_path.write_text(json.dumps({"header": header}) + "\n")
-        done = {(r["repeat"], r["length"], r["method"]) for r in runs}
         prompts = {n: exact_chat_prompt(self.model.tokenizer, n) for n in cfg.lengths}
-        todo = [
-            (rep, n, m)
-            for rep in range(cfg.repeats)
-            for n in cfg.lengths
-            for m in rotated(self.methods, rep)
-            if (rep, n, m) not in done
-        ]
+        todo = pending_runs(runs, cfg.repeats, cfg.lengths, self.methods)
         warm = sorted({(n, m) for _, n, m in todo})
         bar = tqdm(
             total=len(warm) + len(todo),
@@ -167,19 +160,14 @@ class Bench:
             bar.set_postfix_str(f"warm-up {m} @ {n}")
             self.measure(m, prompts[n], cfg.warmup_tokens)
             bar.update()
-        with runs_path.open("a") as sink:
-            for rep, n, m in todo:
-                bar.set_postfix_str(f"repeat {rep + 1}/{cfg.repeats} {m} @ {n}")
-                row = {
-                    "repeat": rep,
-                    "length": n,
-                    "method": m,
-                    **self.measure(m, prompts[n], cfg.new_tokens),
-                }
-                sink.write(json.dumps(row) + "\n")
-                sink.flush()
-                runs.append(row)
-                bar.update()
+        append_runs(
+            runs_path,
+            todo,
+            lambda m, n, rep: self.measure(m, prompts[n], cfg.new_tokens),
+            runs,
+            bar,
+            cfg.repeats,
+        )
         bar.close()
         return self.summarise(runs)
 
@@ -188,23 +176,6 @@ class Bench:
         if self._limits is None:
             self._limits = measure_limits(self.engine.device, self.model.dtype)
         return self._limits
-
-    def _load_runs(self, path: Path, header: dict) -> list[dict]:
-        if not path.exists():
-            path.write_text(json.dumps({"header": header}) + "\n")
-            return []
-        lines = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
-        if not lines or lines[0].get("header") != header:
-            found = lines[0].get("header") if lines else "none"
-            raise UserError(
-                f"{path} was measured with other settings ({found}); "
-                "use another --out or the same model, dtype and max-new-tokens"
-            )
-        return [
-            r
-            for r in lines[1:]
-            if r["method"] in self.methods and r["length"] in self.config.lengths
-        ]
 
     # -- results ----------------------------------------------------------------------------
     def summarise(self, runs: list[dict]) -> dict:
@@ -260,6 +231,61 @@ class Bench:
         }
         write_outputs(result, self.out)
         return result
+
+
+# -- the raw runs of a sweep, shared with bench-reuse --------------------------------------------
+def start_runs(
+    path: Path, header: dict, settings: str, resume: bool, methods: list[str], lengths: list[int]
+) -> list[dict]:
+    """The runs of these methods and lengths a sweep already wrote to `path` when resuming
+    (made with `header`'s settings, which `settings` names for the error); otherwise none,
+    and `path` starts again with the header."""
+    if not resume or not path.exists():
+        path.write_text(json.dumps({"header": header}) + "\n")
+        return []
+    lines = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    if not lines or lines[0].get("header") != header:
+        found = lines[0].get("header") if lines else "none"
+        raise UserError(
+            f"{path} was measured with other settings ({found}); "
+            f"use another --out or the same {settings}"
+        )
+    return [r for r in lines[1:] if r["method"] in methods and r["length"] in lengths]
+
+
+def pending_runs(
+    runs: list[dict], repeats: int, lengths: list[int], methods: list[str]
+) -> list[tuple[int, int, str]]:
+    """(repeat, length, method) still to measure: repeat by repeat, every length, the methods
+    in each repeat's rotated order."""
+    done = {(r["repeat"], r["length"], r["method"]) for r in runs}
+    return [
+        (rep, n, m)
+        for rep in range(repeats)
+        for n in lengths
+        for m in rotated(methods, rep)
+        if (rep, n, m) not in done
+    ]
+
+
+def append_runs(
+    path: Path,
+    todo: list[tuple[int, int, str]],
+    measure: Callable[[str, int, int], dict],
+    runs: list[dict],
+    bar: tqdm,
+    repeats: int,
+) -> None:
+    """Measure each pending run (`measure(method, length, repeat)`) and append it to `path`
+    and `runs` as soon as it is done, so a stopped sweep keeps every finished run."""
+    with path.open("a") as sink:
+        for rep, n, m in todo:
+            bar.set_postfix_str(f"repeat {rep + 1}/{repeats} {m} @ {n}")
+            row = {"repeat": rep, "length": n, "method": m, **measure(m, n, rep)}
+            sink.write(json.dumps(row) + "\n")
+            sink.flush()
+            runs.append(row)
+            bar.update()
 
 
 def add_bounds(cells: list[dict], limits: MachineLimits, weight_bytes: int) -> None:

@@ -22,6 +22,8 @@ from speedkv.cli.options import (
     Model,
     OutDir,
     Threads,
+    count_option,
+    parse_methods,
     parsed_option,
     split_methods,
 )
@@ -34,6 +36,30 @@ def parse_bench_methods(text: str) -> list[MethodSpec | str]:
     """Specs parsed like every --methods, and 'hf' (the model's own generate)."""
     return [m if m == HF else parse_spec(m) for m in split_methods(text)]
 
+
+def parse_reusable_methods(text: str) -> list[MethodSpec]:
+    """Specs of methods whose cache can be reused; the engine's refusal for any other."""
+    from speedkv.core.engine import check_reusable
+
+    specs = parse_methods(text)
+    for spec in specs:
+        check_reusable(spec.cls)  # reusability is a property of the method, not of a model
+    return specs
+
+
+ReusableMethods = Annotated[
+    Sequence[MethodSpec],
+    parsed_option(
+        "--methods",
+        parse=parse_reusable_methods,
+        metavar="SPECS",
+        help=f"{METHODS_HELP} Only methods whose cache can be reused: full and speed.",
+    ),
+]
+Repeats = Annotated[
+    int, count_option("--repeats", least=1, help="Measured runs per cell (after one warm-up).")
+]
+Resume = Annotated[bool, typer.Option("--resume", help="Skip runs already in OUT/runs.jsonl.")]
 
 BenchMethods = Annotated[
     Sequence[str],
@@ -54,13 +80,9 @@ def bench(
     methods: BenchMethods = "full;speed:lcut=22,anchors=bos",
     lengths: Lengths = "1024,2048,4096,8192",
     max_new_tokens: MaxNewTokens = 128,
-    repeats: Annotated[
-        int, typer.Option("--repeats", help="Measured runs per cell (after one warm-up).")
-    ] = 5,
+    repeats: Repeats = 5,
     out: OutDir = Path("runs/bench"),
-    resume: Annotated[
-        bool, typer.Option("--resume", help="Skip runs already in OUT/runs.jsonl.")
-    ] = False,
+    resume: Resume = False,
     readme: Annotated[
         Path | None,
         typer.Option(
@@ -85,8 +107,6 @@ def bench(
 
     if max_new_tokens < 2:
         raise UserError(f"max-new-tokens must be at least 2 (TPOT needs two), got {max_new_tokens}")
-    if repeats < 1:
-        raise UserError(f"repeats must be at least 1, got {repeats}")
     config = BenchConfig(
         model=model,
         methods=list(methods),
@@ -113,3 +133,55 @@ def bench(
         images = os.path.relpath(out.resolve(), readme.resolve().parent)
         readme.write_text(report_markdown(result, images))
         log(f"results in {out}/ (results.json, results.csv, table.md, efficiency.png)")
+
+
+@commands.command("bench-reuse")
+def bench_reuse(
+    model: Model = "smollm2-135m",
+    methods: ReusableMethods = "full;speed:lcut=22,anchors=bos;speed:lcut=22,anchors=bos,deep=turn",
+    lengths: Lengths = "1024,2048,4096",
+    questions: Annotated[
+        int,
+        count_option(
+            "--questions",
+            least=1,
+            help="Questions asked of each document (about 30 tokens each, at most 6).",
+        ),
+    ] = 3,
+    max_new_tokens: MaxNewTokens = 4,
+    repeats: Repeats = 3,
+    out: OutDir = Path("runs/bench-reuse"),
+    resume: Resume = False,
+    adapter: Adapter = None,
+    dtype: Dtype = "auto",
+    device: Device = "auto",
+    threads: Threads = 0,
+    as_json: AsJson = False,
+) -> None:
+    """Measure a question's TTFT over a cached document against the same prompt from scratch.
+
+    Per method and document length (--lengths counts the document's tokens): the document's
+    prefill time and KV, then each question asked over the cache and from scratch, back to
+    back, and their ratio. Writes results.json, results.csv, table.md, report.md and
+    reuse.png to OUT (docs/reuse.md).
+    """
+    from speedkv.bench.reuse import ReuseBench, ReuseBenchConfig
+    from speedkv.bench.reuse_report import markdown_table
+
+    config = ReuseBenchConfig(
+        model=model,
+        methods=list(methods),
+        lengths=list(lengths),
+        questions=questions,
+        new_tokens=max_new_tokens,
+        repeats=repeats,
+        dtype=dtype,
+        command=command_line(),
+    )
+    set_threads(threads)
+    result = ReuseBench(load(model, dtype, device, adapter), config, out).run(resume=resume)
+    if as_json:
+        print(json.dumps(result, indent=2))
+    else:
+        print(markdown_table(result))
+        log(f"results in {out}/ (results.json, results.csv, table.md, report.md, reuse.png)")

@@ -37,7 +37,9 @@ def eval_command(
         str,
         typer.Option(
             "--tasks",
-            help="Comma-separated: niah, niah_multikey, niah_multivalue, vt, fidelity, sanity.",
+            help="Comma-separated: niah, niah_multikey, niah_multivalue, vt, fidelity, sanity, "
+            "reuse (four facts asked over one cached document and with fresh prefills; "
+            "docs/reuse.md).",
         ),
     ] = "niah,fidelity,sanity",
     lengths: Lengths = "2048",
@@ -48,7 +50,7 @@ def eval_command(
             metavar="N|TASK=N,...",
             help="Samples per task and length: one count, or per task 'niah=10,fidelity=4' "
             "(defaults: niah 10, niah_multikey 4, niah_multivalue 3, vt 3, fidelity 4, "
-            "sanity 12).",
+            "sanity 12, reuse 8 documents of 4 questions).",
         ),
     ] = None,
     seed: Seed = 0,
@@ -57,6 +59,15 @@ def eval_command(
         typer.Option("--depths", help="Needle depths (0 = start, 1 = end of the document)."),
     ] = "0.1,0.5,0.9",
     continuation_tokens: ContinuationTokens = 64,
+    question_turn: Annotated[
+        bool,
+        typer.Option(
+            "--question-turn",
+            help="Put each needle question in a user message of its own after the document's, "
+            "as when a cached document is asked: `deep=turn` then keeps only the question deep "
+            "(in the default one-message layout it keeps the whole document deep).",
+        ),
+    ] = False,
     split: Annotated[
         str,
         typer.Option("--split", help="Essay split: eval (measuring) or calib (designing prompts)."),
@@ -93,6 +104,7 @@ def eval_command(
         fidelity_tokens=continuation_tokens,
         split=split,
         adapter=str(adapter) if adapter is not None else None,
+        question_turn=question_turn,
     )
     set_threads(threads)
     runner = EvalRunner(load(model, dtype, device, adapter), config, out)

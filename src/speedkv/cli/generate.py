@@ -9,17 +9,22 @@ import typer
 
 from speedkv.cli.common import bind, load, read_prompt, set_threads
 from speedkv.cli.options import (
+    METHOD_HELP,
     Adapter,
     AsJson,
     Device,
     Dtype,
+    LoadFile,
     MaxNewTokens,
-    Method,
     Model,
     PromptFile,
+    Raw,
     Seed,
     Threads,
+    parsed_option,
 )
+from speedkv.cli.prefix import continue_saved
+from speedkv.core.registry import MethodSpec, parse_spec
 from speedkv.log import log
 
 commands = typer.Typer()
@@ -32,11 +37,18 @@ def generate(
     ] = None,
     prompt_file: PromptFile = None,
     model: Model = "smollm2-135m",
-    method: Method = "full",
+    method: Annotated[
+        MethodSpec | None,
+        parsed_option(
+            "--method",
+            parse=parse_spec,
+            metavar="SPEC",
+            help=METHOD_HELP + " Default: full; with --load, the method the cache was made with.",
+        ),
+    ] = None,
     max_new_tokens: MaxNewTokens = 128,
-    raw: Annotated[
-        bool, typer.Option("--raw", help="Use the prompt as raw text, without the chat template.")
-    ] = False,
+    raw: Raw = False,
+    load_file: LoadFile = None,
     temperature: Annotated[float, typer.Option("--temperature", help="0 is greedy.")] = 0.0,
     top_k: Annotated[
         int, typer.Option("--top-k", help="Keep the k likeliest tokens (0 = off).")
@@ -52,7 +64,8 @@ def generate(
     threads: Threads = 0,
     as_json: AsJson = False,
 ) -> None:
-    """Generate a continuation of one prompt, streaming the text as it is produced."""
+    """Generate a continuation of one prompt, streaming the text as it is produced. With
+    --load, the prompt continues a cache saved by `speedkv prefill`."""
     from speedkv.bench.memory import peak_rss_bytes, reset_peak_rss
     from speedkv.core.engine import Engine, Request
     from speedkv.core.sampling import SamplingParams
@@ -69,16 +82,18 @@ def generate(
     ).validate()
     set_threads(threads)
     loaded = load(model, dtype, device, adapter)
-    policy = bind(method, loaded, adapter)
-    encoded = encode_prompt(loaded.tokenizer, text, chat=not raw)
     engine = Engine(loaded)
-    request = Request(encoded.ids, policy, sampling, encoded.header_tokens)
+    if load_file is None:
+        policy = bind(method or parse_spec("full"), loaded, adapter)
+        encoded = encode_prompt(loaded.tokenizer, text, chat=not raw)
+        request = Request(encoded.ids, policy, sampling, encoded.header_tokens, encoded.turn_tokens)
+        cached = ""
+    else:
+        request = continue_saved(engine, load_file, text, sampling, method, raw, adapter)
+        cached = f" ({len(request.prefix)} cached in {load_file})"
     engine.check_request(request)
-    log(
-        f"{len(encoded.ids)} prompt tokens, method {policy.spec()}, {loaded.dtype}".replace(
-            "torch.", ""
-        )
-    )
+    log(f"{len(request.ids)} prompt tokens{cached}, method {request.policy.spec()}, "
+        f"{loaded.dtype_name}")  # fmt: skip
     reset_peak_rss()
     result = None
     for event in engine.run([request]):
@@ -102,6 +117,7 @@ def generate(
             "kv_allocated_bytes": result.kv_allocated_bytes,
             "peak_rss_bytes": peak,
             "layer_lengths": result.layer_lengths,
+            "reused_tokens": result.reused_tokens,
         }
         print(json.dumps(record))
     else:

@@ -132,6 +132,25 @@ def parse_out_dir(text: str) -> Path:
     return path
 
 
+def parse_new_file(text: str) -> Path:
+    """A file to write: its directory exists, and no directory stands at its name."""
+    path = Path(text)
+    if not text.strip():
+        raise UserError("the file name is empty; give a file to write")
+    if path.is_dir():
+        raise UserError(f"'{text}' is a directory; give a file name to write")
+    if not path.resolve().parent.is_dir():
+        raise UserError(f"the directory of '{text}' does not exist")
+    return path
+
+
+def parse_prefix_file(text: str) -> Path:
+    from speedkv.core.prefix_file import prefix_header
+
+    prefix_header(text)  # a file that is not a prefix file fails before any model loads
+    return Path(text)
+
+
 def parse_adapter(text: str) -> Path:
     from speedkv.hf.adapters import read_adapter_info
 
@@ -185,6 +204,9 @@ Adapter = Annotated[
         help="LoRA adapter directory from `speedkv train`, merged into the model.",
     ),
 ]
+Raw = Annotated[
+    bool, typer.Option("--raw", help="Use the prompt as raw text, without the chat template.")
+]
 AsJson = Annotated[
     bool, typer.Option("--json", help="Print the result as JSON on stdout (logs go to stderr).")
 ]
@@ -231,6 +253,25 @@ OutDir = Annotated[
 PromptFile = Annotated[
     Path | None,
     typer.Option("--prompt-file", metavar="FILE", help="Read the prompt from a UTF-8 text file."),
+]
+SaveFile = Annotated[
+    Path,
+    parsed_option(
+        "--save",
+        parse=parse_new_file,
+        metavar="FILE",
+        help="Where to write the cache (a safetensors file; replaced if it exists).",
+    ),
+]
+LoadFile = Annotated[
+    Path | None,
+    parsed_option(
+        "--load",
+        parse=parse_prefix_file,
+        metavar="FILE",
+        help="Continue a cache saved by `speedkv prefill --save`: the prompt is the next "
+        "question (chat) or text appended to it (--raw); only its new tokens are prefilled.",
+    ),
 ]
 PromptsFile = Annotated[
     Path | None,

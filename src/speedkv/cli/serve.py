@@ -7,7 +7,15 @@ from typing import Annotated
 import typer
 
 from speedkv.cli.common import bind, load, set_threads
-from speedkv.cli.options import Adapter, Device, Dtype, Model, Threads, parsed_option
+from speedkv.cli.options import (
+    Adapter,
+    Device,
+    Dtype,
+    Model,
+    Threads,
+    count_option,
+    parsed_option,
+)
 from speedkv.core.registry import MethodSpec, parse_spec
 from speedkv.errors import UserError
 from speedkv.log import log as _log
@@ -20,6 +28,24 @@ DefaultMethod = Annotated[
         parse=parse_spec,
         metavar="SPEC",
         help="Method of requests that do not choose one, e.g. 'speed:lcut=22,anchors=bos'.",
+    ),
+]
+PrefixCacheBytes = Annotated[
+    int,
+    count_option(
+        "--prefix-cache-bytes",
+        least=0,
+        rule="0 (no prefix caching) or more",
+        help="Memory for cached prompts (automatic prefix caching), in bytes; the least "
+        "recently used go past it. 0 turns caching off.",
+    ),
+]
+PrefixMinTokens = Annotated[
+    int,
+    count_option(
+        "--prefix-min-tokens",
+        least=1,
+        help="Shortest cached prefix a prompt reuses; shorter shared beginnings are prefilled.",
     ),
 ]
 
@@ -62,6 +88,8 @@ def serve(
     max_body_bytes: Annotated[
         int, typer.Option("--max-body-bytes", help="Largest request body, in bytes.")
     ] = 4 * 2**20,
+    prefix_cache_bytes: PrefixCacheBytes = 2**30,
+    prefix_min_tokens: PrefixMinTokens = 16,
     api_key: Annotated[
         str | None,
         typer.Option(
@@ -103,6 +131,8 @@ def serve(
         max_tokens_limit=max_tokens_limit,
         max_body_bytes=max_body_bytes,
         api_key=api_key,
+        prefix_cache_bytes=prefix_cache_bytes,
+        prefix_min_tokens=prefix_min_tokens,
     ).check()  # mistakes fail before the model loads
     if host not in LOOPBACK and not api_key:
         _log(f"warning: binding {host} without --api-key; anyone who can reach it may use it")
@@ -113,6 +143,6 @@ def serve(
     _log(
         f"serving '{loaded.name}' ({loaded.dtype_name}) with "
         f"{config.method} on http://{host}:{port}/v1; max batch {max_batch}, "
-        f"queue {max_queue}"
+        f"queue {max_queue}; {config.prefix_caching()}"
     )
     uvicorn.run(app_, host=host, port=port, log_level=log_level, access_log=False)

@@ -107,9 +107,14 @@ class LayerKV:
         `room` more: what a request extending a cached prefix starts from (the cached
         buffers are never written, so any number of requests can extend one prefix)."""
         heads, _, dim = self.k.shape
-        keep = (self.positions()[0] < end).nonzero()[:, 0]  # entries are the same in every head
-        out = LayerKV(heads, keep.numel() + room, dim, self.k.dtype, self.k.device)
-        out.extend(self.k[:, keep], self.v[:, keep], self.pos[:, keep])
+        wanted = self.positions()[0] < end  # entries are the same in every head
+        count = int(wanted.sum())
+        out = LayerKV(heads, count + room, dim, self.k.dtype, self.k.device)
+        if bool(wanted[:count].all()):  # in position order (as reusable methods write): a slice
+            out.extend(self.k[:, :count], self.v[:, :count], self.pos[:, :count])
+        else:
+            keep = wanted.nonzero()[:, 0]
+            out.extend(self.k[:, keep], self.v[:, keep], self.pos[:, keep])
         return out
 
     def snapshot(self) -> LayerKV:

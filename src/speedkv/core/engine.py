@@ -325,7 +325,13 @@ class Engine:
             raise UserError("this model has no tokenizer; pass token ids instead of text")
         encoded = encode_prompt(self.tokenizer, prompt, chat=chat)
         policy = method if isinstance(method, Policy) else make_policy(method, self.shape)
-        return Request(encoded.ids, policy, sampling or SamplingParams(), encoded.header_tokens)
+        return Request(
+            encoded.ids,
+            policy,
+            sampling or SamplingParams(),
+            encoded.header_tokens,
+            encoded.turn_tokens,
+        )
 
     def prefill(
         self, prompt: str | list[int], method: str | MethodSpec | Policy = "full", chat: bool = True
@@ -475,7 +481,12 @@ class Batch:
         store = self.engine.prefix_cache
         if store is not None and seq.policy.reusable:
             ids = [*seq.request.ids, *seq.output[:-1]]  # the last token was never fed back
-            store.insert(CachedPrefix(ids, seq.policy.spec(), seq.cache))
+            cache = seq.cache
+            if cache.allocated_bytes() > 2 * cache.nbytes():
+                # room reserved for tokens it never generated (a stop before max_tokens) would
+                # count against the store's bound: keep a tight copy instead
+                cache = cache.prefix(len(ids), 0)
+            store.insert(CachedPrefix(ids, seq.policy.spec(), cache))
 
     def step(self) -> list[TokenEvent]:
         """One decode step for every running sequence."""
@@ -529,8 +540,9 @@ class Batch:
         return TokenEvent(seq.key, token, delta, seq.result() if seq.finish_reason else None)
 
 
-def check_reusable(policy: Policy) -> None:
-    """UserError unless caches `policy` builds may serve other prompts."""
+def check_reusable(policy: Policy | type[Policy]) -> None:
+    """UserError unless caches `policy` (or any policy of this class) builds may serve other
+    prompts."""
     if not policy.reusable:
         reusable = [name for name in method_names() if method_class(name).reusable]
         raise UserError(

@@ -93,15 +93,16 @@ class PrefixCache:
 
     def insert(self, entry: CachedPrefix) -> None:
         """Keep `entry`; entries it extends go (it serves every lookup they would), and the
-        least recently used go while the store is over its bound."""
+        least recently used go while the store is over its bound. One larger than the bound
+        is not kept, and the entries it extends stay."""
+        if entry.allocated_bytes() > self.max_bytes:
+            return
         for key, old in list(self._entries.items()):
             if extends(old, entry):  # already covered: only freshen it
                 self._entries.move_to_end(key)
                 return
             if extends(entry, old):
                 del self._entries[key]
-        if entry.allocated_bytes() > self.max_bytes:
-            return
         self._entries[self._next_key] = entry
         self._next_key += 1
         while self.bytes() > self.max_bytes:

@@ -12,10 +12,13 @@ a blank line, then the question. The pass-key phrasing with its repetition ("Rem
 SmolLM2-135M retrieved it in every calib trial, where RULER's "special magic number" phrasing
 sometimes drew a stray number from the essays instead.
 
+With `question_turn`, the question is a user message of its own after the document's, as
+when a cached document is asked (`deep=turn` then keeps only the question's turn deep).
+
 The asked needle (or the first value, or the head of the chain) sits at the sample's grid
 depth; the other needles at depths drawn from the sample's RNG. Scoring is exact match by
 containment: every expected value must appear in the answer as a whole number (thousands
-separators ignored) or, for `vt`, as a whole word (case ignored).
+separators ignored) or, when it is a word (`vt`'s names), as a whole word (case ignored).
 """
 
 from __future__ import annotations
@@ -25,7 +28,14 @@ import re
 import string
 from dataclasses import dataclass
 
-from speedkv.evals.documents import Fact, fit_prompt, minimum_length, plant_all
+from speedkv.evals.documents import (
+    Fact,
+    fit_message,
+    minimum_length,
+    one_message,
+    plant_all,
+    question_turn,
+)
 from speedkv.hf.text import EncodedPrompt
 from speedkv.prompts.haystack import sentence_count
 
@@ -69,8 +79,11 @@ class Design:
     question: str
     expected: list[str]
 
+    def document(self, haystack: str) -> str:
+        return f"{self.intro}\n\n{plant_all(haystack, self.facts)}"
+
     def render(self, haystack: str) -> str:
-        return f"{self.intro}\n\n{plant_all(haystack, self.facts)}\n\n{self.question}"
+        return f"{self.document(haystack)}\n\n{self.question}"
 
 
 def sample_rng(seed: int, task: str, index: int) -> random.Random:
@@ -142,13 +155,19 @@ def build_sample(
     seed: int,
     depths: list[float],
     split: str = "eval",
+    own_turn: bool = False,
 ) -> NeedleSample:
-    """Sample `index` of `task` at `length` prompt tokens; all randomness from `seed`."""
+    """Sample `index` of `task` at `length` prompt tokens; all randomness from `seed`. With
+    `own_turn`, the question is a user message of its own after the document's."""
     rng = sample_rng(seed, task, index)
     depth = depths[index % len(depths)]
     start = rng.randrange(sentence_count(split))
     plan = design(task, depth, rng)
-    prompt = fit_prompt(tokenizer, length, plan.render, split, start, task)
+    if own_turn:
+        encode = question_turn(tokenizer, plan.question)
+        _, prompt = fit_message(tokenizer, length, plan.document, split, start, task, encode)
+    else:
+        _, prompt = fit_message(tokenizer, length, plan.render, split, start, task)
     return NeedleSample(
         task=task,
         index=index,
@@ -161,19 +180,20 @@ def build_sample(
     )
 
 
-def shortest_prompt(tokenizer, task: str) -> int:
+def shortest_prompt(tokenizer, task: str, own_turn: bool = False) -> int:
     """Tokens a sample of `task` takes with no essay text around its needles."""
     plan = design(task, 0.5, sample_rng(0, task, 0))
-    return minimum_length(tokenizer, plan.render)
+    if own_turn:
+        return minimum_length(tokenizer, plan.document, question_turn(tokenizer, plan.question))
+    return minimum_length(tokenizer, plan.render, one_message(tokenizer))
 
 
 _THOUSANDS = re.compile(r"(?<=\d),(?=\d{3}(?!\d))")
 
 
-def found_values(task: str, answer: str, expected: list[str]) -> list[str]:
-    """The expected values the answer contains (as whole numbers, or whole words for vt)."""
-    if task == "vt":
-        words = {w.upper() for w in re.findall(r"[A-Za-z]+", answer)}
-        return [e for e in expected if e.upper() in words]
+def found_values(answer: str, expected: list[str]) -> list[str]:
+    """The expected values the answer contains: a number as a whole number (thousands
+    separators ignored), a word as a whole word (case ignored)."""
     numbers = set(re.findall(r"\d+", _THOUSANDS.sub("", answer)))
-    return [e for e in expected if e in numbers]
+    words = {w.upper() for w in re.findall(r"[A-Za-z]+", answer)}
+    return [e for e in expected if (e in numbers if e.isdigit() else e.upper() in words)]

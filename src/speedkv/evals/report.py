@@ -57,7 +57,25 @@ def summary_row(task: str, method: str, length: int, records: list[dict]) -> dic
         )
     elif task == "sanity":
         row["token_agreement"] = statistics.fmean(r["token_agreement"] for r in records)
+    elif task == "reuse":
+        row.update(reuse_summary(records))
+        row["by_kind"] = {
+            kind: reuse_summary([r for r in records if r["kind"] == kind])
+            for kind in dict.fromkeys(r["kind"] for r in records)
+        }
     return row
+
+
+def reuse_summary(records: list[dict]) -> dict:
+    """Accuracy fresh and reused, and how often the two answers are the same tokens; None
+    for what a method that refuses reuse does not have."""
+    reused = [r for r in records if r["refused"] is None]
+    return {
+        "fresh": statistics.fmean(r["fresh_correct"] for r in records),
+        "reused": statistics.fmean(r["reused_correct"] for r in reused) if reused else None,
+        "identical": statistics.fmean(r["identical"] for r in reused) if reused else None,
+        "documents": len({r["sample"] for r in records}),
+    }
 
 
 # -- markdown ---------------------------------------------------------------------------------
@@ -90,6 +108,10 @@ def percent(value: float) -> str:
     return f"{100 * value:.0f}%"
 
 
+def percent_or_refused(value: float | None) -> str:
+    return "refuses" if value is None else percent(value)
+
+
 TABLES = {  # task -> [(title, summary key, format)]
     "fidelity": [
         ("perplexity ratio to full (1 = unchanged, above 1 = worse)", "ppl_ratio", "{:.3f}"),
@@ -106,6 +128,11 @@ NEEDLE_TABLE = [("exact-match accuracy", "score", percent)]
 RECALL_TABLE = [("share of expected values in the answer (recall)", "recall", percent)]
 TABLES["niah_multivalue"] = NEEDLE_TABLE + RECALL_TABLE
 TABLES["vt"] = NEEDLE_TABLE + RECALL_TABLE
+TABLES["reuse"] = [
+    ("accuracy, each question with a fresh prefill of document + question", "fresh", percent),
+    ("accuracy, every question over one cached document", "reused", percent_or_refused),
+    ("answers token for token the same, reused against fresh", "identical", percent_or_refused),
+]
 
 
 def task_tables(summary: list[dict], task: str, level: str = "##") -> str:
@@ -125,6 +152,7 @@ HEADLINE = {  # task -> (summary key, column label, format) for the overview tab
     "vt": ("recall", "vt recall", percent),
     "fidelity": ("ppl_ratio", "ppl ratio", "{:.3f}".format),
     "sanity": ("score", "sanity", percent),
+    "reuse": ("reused", "reused", percent),
 }
 
 
@@ -133,11 +161,13 @@ def overview_columns(summary: list[dict]) -> tuple[list[str], list[tuple[str, in
     columns = list(dict.fromkeys((r["task"], r["length"]) for r in summary))
     methods = list(dict.fromkeys(r["method"] for r in summary))
     cells = {(r["method"], r["task"], r["length"]): r for r in summary}
-    values = [
-        [cells[(m, t, n)][HEADLINE[t][0]] if (m, t, n) in cells else math.nan for t, n in columns]
-        for m in methods
-    ]
+    values = [[_headline(cells.get((m, t, n)), t) for t, n in columns] for m in methods]
     return methods, columns, values
+
+
+def _headline(row: dict | None, task: str) -> float:
+    value = None if row is None else row[HEADLINE[task][0]]
+    return math.nan if value is None else value  # absent, or a reuse the method refuses
 
 
 def column_label(task: str, length: int) -> str:
@@ -168,14 +198,24 @@ def misses_markdown(result: dict) -> str:
     ]
     for r in result["records"]:
         if is_needle(r["task"]) and not r["correct"]:
-            answer = " ".join(r["answer"].split())
-            answer = answer[:77] + "..." if len(answer) > 80 else answer
-            lines.append(
-                f"| {r['task']} | `{r['method']}` | {r['length']} | {r['sample']} | "
-                f"{r['depth']:g} | {r['prompt_tokens']} | {' '.join(r['expected'])} | "
-                f"{answer.replace('|', '/')} |"
-            )
+            answer = _cell(r["answer"])
+        elif r["task"] == "reuse" and not (r["fresh_correct"] and r["reused_correct"] is not False):
+            reused = "refuses" if r["refused"] else _cell(r["reused_answer"])
+            answer = f"fresh: {_cell(r['fresh_answer'])}; reused: {reused}"
+        else:
+            continue
+        lines.append(
+            f"| {r['task']} | `{r['method']}` | {r['length']} | {r['sample']} | "
+            f"{r['depth']:g} | {r['prompt_tokens']} | {' '.join(r['expected'])} | {answer} |"
+        )
     return "\n".join(lines) + "\n"
+
+
+def _cell(answer: str, width: int = 80) -> str:
+    """An answer on one line, cut to `width` characters, safe in a table."""
+    answer = " ".join(answer.split())
+    answer = answer[: width - 3] + "..." if len(answer) > width else answer
+    return answer.replace("|", "/")
 
 
 # -- outputs ----------------------------------------------------------------------------------

@@ -24,9 +24,17 @@ from speedkv.core.policy import Policy
 from speedkv.core.registry import MethodSpec, config_record, make_policy
 from speedkv.core.sampling import SamplingParams
 from speedkv.errors import UserError
-from speedkv.evals import fidelity, needles, sanity
-from speedkv.evals.tasks import DEFAULT_DEPTHS, SHORT, TASKS, is_needle, max_new_tokens
+from speedkv.evals import fidelity, needles, reuse, sanity
+from speedkv.evals.tasks import (
+    DEFAULT_DEPTHS,
+    SHORT,
+    TASKS,
+    is_needle,
+    max_new_tokens,
+    records_per_run,
+)
 from speedkv.hf.loading import LoadedModel
+from speedkv.hf.text import EncodedPrompt
 
 # Bump when prompts, wording or scoring change: records made under another version are not
 # mixed with new ones on --resume.
@@ -47,6 +55,9 @@ class EvalConfig:
     fidelity_tokens: int = fidelity.DEFAULT_TOKENS
     split: str = "eval"
     adapter: str | None = None  # LoRA adapter merged into the model (every method runs with it)
+    # needle questions in a user message of their own after the document's (the layout of a
+    # cached document asked a question; `deep=turn` then keeps only the question deep)
+    question_turn: bool = False
 
 
 @dataclass(frozen=True)
@@ -94,8 +105,16 @@ class EvalRunner:
                     f"{shape.max_positions} tokens"
                 )
             for task in cfg.tasks:
-                if is_needle(task):
-                    needed = 2 * needles.shortest_prompt(tok, task)
+                if task == reuse.TASK:
+                    needed = 2 * reuse.shortest_document(tok)
+                    if length < needed:
+                        raise UserError(
+                            f"length {length} is too short for task reuse: it needs at least "
+                            f"{needed} tokens (half of them essay text)"
+                        )
+                    room = length + reuse.QUESTION_ROOM + max_new_tokens(task)
+                elif is_needle(task):
+                    needed = 2 * needles.shortest_prompt(tok, task, cfg.question_turn)
                     if length < needed:
                         raise UserError(
                             f"length {length} is too short for task {task}: it needs at least "
@@ -134,6 +153,8 @@ class EvalRunner:
             "fidelity_tokens": cfg.fidelity_tokens,
             "task_version": TASK_VERSION,
             "adapter": cfg.adapter,
+            # only when set, so runs made before the option resume as they were
+            **({"question_turn": True} if cfg.question_turn else {}),
         }
 
     # -- the sweep ---------------------------------------------------------------------------
@@ -143,7 +164,7 @@ class EvalRunner:
         started = time.perf_counter()
         self.out.mkdir(parents=True, exist_ok=True)
         path = self.out / "records.jsonl"
-        records = self._load(path) if resume else []
+        records = whole_runs(self._load(path)) if resume else []
         if not resume or not path.exists():
             path.write_text(json.dumps({"header": self.header()}) + "\n")
         done = {record_key(r) for r in records}
@@ -159,7 +180,10 @@ class EvalRunner:
                 f"{runs} runs to do ({len(records)} already recorded); estimated at most "
                 f"{seconds / 60:.0f} min on this machine now (every method costed as full)"
             )
-        bar = tqdm(total=runs, disable=not progress, unit="run", desc="eval", dynamic_ncols=True)
+        expected = sum(len(methods) * records_per_run(unit.task) for unit, methods in todo)
+        bar = tqdm(
+            total=expected, disable=not progress, unit="record", desc="eval", dynamic_ncols=True
+        )
         with path.open("a") as sink:
             for unit, methods in todo:
                 bar.set_postfix_str(f"{unit.task} @ {unit.length} #{unit.index}")
@@ -192,6 +216,7 @@ class EvalRunner:
             r["length"],
             r["sample"],
             self.methods.index(r["method"]),
+            r.get("question", 0),
         )
 
     def _load(self, path: Path) -> list[dict]:
@@ -224,24 +249,32 @@ class EvalRunner:
             return self._needle(unit, methods)
         if unit.task == "fidelity":
             return self._fidelity(unit, methods)
+        if unit.task == reuse.TASK:
+            return self._reuse(unit, methods)
         return self._sanity(unit, methods, records)
 
-    def _generate(self, method: str, ids: list[int], header: int | None, new: int):
-        request = Request(ids, self.policies[method], SamplingParams(max_new_tokens=new), header)
+    def _generate(self, method: str, prompt: EncodedPrompt, new: int):
+        """Greedy answer; the prompt's header and last turn go along, so `deep=header` and
+        `deep=turn` mean what they say."""
+        request = Request(
+            prompt.ids,
+            self.policies[method],
+            SamplingParams(max_new_tokens=new),
+            prompt.header_tokens,
+            prompt.turn_tokens,
+        )
         return self.engine.generate([request])[0]  # the engine copies the policy per request
 
     def _needle(self, unit: Unit, methods: list[str]) -> Iterator[dict]:
         cfg = self.config
         sample = needles.build_sample(
             self.model.tokenizer, unit.task, unit.length, unit.index, cfg.seed, cfg.depths,
-            cfg.split,
+            cfg.split, cfg.question_turn,
         )  # fmt: skip
         for method in methods:
             t0 = time.perf_counter()
-            g = self._generate(
-                method, sample.prompt.ids, sample.prompt.header_tokens, max_new_tokens(unit.task)
-            )
-            found = needles.found_values(unit.task, g.text, sample.expected)
+            g = self._generate(method, sample.prompt, max_new_tokens(unit.task))
+            found = needles.found_values(g.text, sample.expected)
             yield {
                 **base_record(method, unit, len(sample.prompt.ids)),
                 "depth": sample.depth,
@@ -303,7 +336,7 @@ class EvalRunner:
         )
         for method in methods:
             t0 = time.perf_counter()
-            g = self._generate(method, encoded.ids, encoded.header_tokens, sanity.MAX_NEW_TOKENS)
+            g = self._generate(method, encoded, sanity.MAX_NEW_TOKENS)
             full_ids = g.output_ids if method == FULL else reference["output_ids"]
             full_text = g.text if method == FULL else reference["answer"]
             record = {
@@ -321,6 +354,24 @@ class EvalRunner:
             if method == FULL:
                 reference = record
             yield record
+
+    def _reuse(self, unit: Unit, methods: list[str]) -> Iterator[dict]:
+        """A method's records for one document come together, one per question: each asked
+        fresh and over the cached document."""
+        cfg = self.config
+        quiz = reuse.build_quiz(self.model.tokenizer, unit.length, unit.index, cfg.seed, cfg.split)
+        for method in methods:
+            t0 = time.perf_counter()
+            answers = reuse.ask(self.engine, self.policies[method], quiz, max_new_tokens(unit.task))
+            seconds = (time.perf_counter() - t0) / len(answers)
+            for answer in answers:
+                prompt_tokens = answer.pop("prompt_tokens")
+                yield {
+                    **base_record(method, unit, prompt_tokens),
+                    **answer,
+                    "score": float(answer["fresh_correct"]),  # reused: `reused_correct`
+                    "seconds": seconds,
+                }
 
     # -- time estimate -------------------------------------------------------------------------
     def estimate_seconds(
@@ -342,8 +393,13 @@ class EvalRunner:
                 if unit.task == "fidelity"
                 else max_new_tokens(unit.task)
             )
-            per = prefill_s * _prefill_cost(length) / _prefill_cost(512)
-            per += new * step_s * _step_cost(length) / _step_cost(512)
+            # a reuse document: one prefill per question and the document's, each question
+            # answered twice
+            prefills, answers = (
+                (reuse.QUESTIONS + 1, 2 * reuse.QUESTIONS) if unit.task == reuse.TASK else (1, 1)
+            )
+            per = prefills * prefill_s * _prefill_cost(length) / _prefill_cost(512)
+            per += answers * new * step_s * _step_cost(length) / _step_cost(512)
             runs = len(methods) + (unit.task == "fidelity" and FULL not in methods)
             total += runs * per
         return total
@@ -381,6 +437,16 @@ def base_record(method: str, unit: Unit, prompt_tokens: int) -> dict:
 
 def record_key(record: dict) -> tuple[str, str, int, int]:
     return (record["method"], record["task"], record["length"], record["sample"])
+
+
+def whole_runs(records: list[dict]) -> list[dict]:
+    """The records of runs that finished, the last copy of each: a run that writes several
+    records (reuse: one per question) and was cut short by a kill is run again on resume."""
+    latest = {(*record_key(r), r.get("question")): r for r in records}
+    counts: dict[tuple, int] = {}
+    for r in latest.values():
+        counts[record_key(r)] = counts.get(record_key(r), 0) + 1
+    return [r for r in latest.values() if counts[record_key(r)] >= records_per_run(r["task"])]
 
 
 def versions() -> dict:

@@ -3,11 +3,11 @@
 from __future__ import annotations
 
 from speedkv.errors import UserError
-from speedkv.evals import sanity
+from speedkv.evals import reuse, sanity
 from speedkv.evals.needles import MAX_NEW_TOKENS as NEEDLE_NEW_TOKENS
 from speedkv.evals.needles import NEEDLE_TASKS
 
-TASKS = (*NEEDLE_TASKS, "fidelity", "sanity")
+TASKS = (*NEEDLE_TASKS, "fidelity", "sanity", reuse.TASK)
 DESCRIPTIONS = {
     "niah": "single needle: a 5-digit pass key, asked back",
     "niah_multikey": "four pass keys for four named things; one asked",
@@ -16,6 +16,7 @@ DESCRIPTIONS = {
     "fidelity": "teacher-forced continuation of an essay: perplexity, top-1 agreement and KL "
     "against full",
     "sanity": "short instructions: greedy answer identical to full's",
+    "reuse": "four planted facts, each asked over one cached document and with a fresh prefill",
 }
 # Samples per task and length when --samples does not say: sized so that the full docs/results.md
 # sweep (17 methods, 2K and 4K) stays within about two hours on a 2-core CPU.
@@ -26,6 +27,7 @@ DEFAULT_N = {
     "vt": 3,
     "fidelity": 4,
     "sanity": len(sanity.PROMPTS),
+    "reuse": 8,  # documents; each asks reuse.QUESTIONS questions
 }
 SHORT = 0  # the length recorded for sanity's short prompts (each has its own length)
 DEFAULT_DEPTHS = (0.1, 0.5, 0.9)
@@ -38,7 +40,14 @@ def is_needle(task: str) -> bool:
 def max_new_tokens(task: str) -> int:
     if task == "sanity":
         return sanity.MAX_NEW_TOKENS
+    if task == reuse.TASK:
+        return reuse.MAX_NEW_TOKENS
     return NEEDLE_NEW_TOKENS.get(task, 0)
+
+
+def records_per_run(task: str) -> int:
+    """Records one method writes for one sample: a reuse document writes one per question."""
+    return reuse.QUESTIONS if task == reuse.TASK else 1
 
 
 def parse_tasks(text: str) -> list[str]:

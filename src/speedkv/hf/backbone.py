@@ -11,6 +11,8 @@ When a transformers release renames something, this is the file to change.
 
 from __future__ import annotations
 
+import hashlib
+import json
 from dataclasses import dataclass
 
 import torch
@@ -19,6 +21,18 @@ from torch import nn
 from speedkv.errors import UserError
 
 SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
+FINGERPRINT_SAMPLES = 1024  # values read from each parameter
+# config entries that say how the model was loaded or what it returns, not what it computes
+NOT_FINGERPRINTED = {
+    "dtype",
+    "torch_dtype",
+    "transformers_version",
+    "architectures",
+    "use_cache",
+    "return_dict",
+    "output_attentions",
+    "output_hidden_states",
+}
 
 
 @dataclass(frozen=True)
@@ -103,6 +117,26 @@ class Backbone:
     @property
     def dtype(self) -> torch.dtype:
         return self._embed.weight.dtype
+
+    def fingerprint(self) -> str:
+        """A digest of what the model computes: its config (without how it was loaded) and a
+        fixed strided sample of every parameter. The sample is read in float32 and rounded to
+        bfloat16, so the same weights loaded in float32 or bfloat16 share a digest, while
+        other weights (another model, an adapter merged in) change it."""
+        config = {
+            key: value
+            for key, value in self.config.to_dict().items()
+            if not key.startswith("_") and key not in NOT_FINGERPRINTED
+        }
+        digest = hashlib.sha256(json.dumps(config, sort_keys=True, default=str).encode())
+        with torch.no_grad():
+            for name, p in self.hf_model.named_parameters():
+                flat = p.detach().reshape(-1)
+                step = max(1, flat.numel() // FINGERPRINT_SAMPLES)
+                sample = flat[::step][:FINGERPRINT_SAMPLES].float().to(torch.bfloat16).cpu()
+                digest.update(f"{name}{tuple(p.shape)}".encode())
+                digest.update(sample.view(torch.int16).numpy().tobytes())
+        return digest.hexdigest()
 
     def decode_weight_bytes(self) -> int:
         """Bytes of weight one decode step must read: every layer, the final norm and the LM

@@ -1,5 +1,6 @@
 """Prompts built from the haystack essays: exact-length raw passages, chat prompts about a
-passage, an exact-length chat prompt, and random passages for training data.
+passage, an exact-length chat prompt, a document of a chosen length to cache, and random
+passages for training data.
 
 Earlier runs' evaluation records, benchmark prompts and training data were made by these
 builders, so for the same arguments they must keep producing the same token ids.
@@ -37,20 +38,49 @@ def passage_prompt(tokenizer, passage: str, request: str) -> list[int]:
 def exact_chat_prompt(tokenizer, length: int) -> list[int]:
     """Exactly `length` ids: the chat template around essay text, so position 0 is the
     template's first token (the BoS anchor) and the prompt ends with the generation header."""
+    head, tail = _template_around(tokenizer, generation_header=True)
+    body_len = _room(length, head, tail)
+    body = tokenizer(haystack_text(tokenizer, body_len + MARGIN), add_special_tokens=False)
+    return head + body["input_ids"][:body_len] + tail
+
+
+def chat_document(tokenizer, length: int) -> str:
+    """Essay text that, sent as the only user message of a chat and cached without a
+    question (`Engine.prefill`), takes at most `length` tokens and within a few of it."""
+    head, tail = _template_around(tokenizer, generation_header=False)
+    room = _room(length, head, tail)
+    body = tokenizer(haystack_text(tokenizer, room + MARGIN), add_special_tokens=False)
+    while True:  # decoding and re-encoding can merge tokens differently: trim until it fits
+        text = tokenizer.decode(body["input_ids"][:room]).strip()
+        over = len(head) + len(tokenizer(text, add_special_tokens=False)["input_ids"])
+        over += len(tail) - length
+        if over <= 0:
+            return text
+        room -= over
+
+
+def _room(length: int, head: list[int], tail: list[int]) -> int:
+    """Tokens left for text between the template's `head` and `tail`; at least one."""
+    room = length - len(head) - len(tail)
+    if room < 1:
+        raise UserError(
+            f"length {length} is too short for the chat template ({len(head) + len(tail)} tokens)"
+        )
+    return room
+
+
+def _template_around(tokenizer, generation_header: bool) -> tuple[list[int], list[int]]:
+    """The ids the chat template puts before and after a single user message."""
     marker = "\u0000"
     templated = tokenizer.apply_chat_template(
-        [{"role": "user", "content": marker}], tokenize=False, add_generation_prompt=True
+        [{"role": "user", "content": marker}],
+        tokenize=False,
+        add_generation_prompt=generation_header,
     )
     before, _, after = templated.partition(marker)
     head = tokenizer(before, add_special_tokens=False)["input_ids"]
     tail = tokenizer(after, add_special_tokens=False)["input_ids"]
-    body_len = length - len(head) - len(tail)
-    if body_len < 1:
-        raise UserError(
-            f"length {length} is too short for the chat template ({len(head) + len(tail)} tokens)"
-        )
-    body = tokenizer(haystack_text(tokenizer, body_len + MARGIN), add_special_tokens=False)
-    return head + body["input_ids"][:body_len] + tail
+    return list(head), list(tail)
 
 
 class TextSource:

@@ -39,8 +39,15 @@ def _generation_responses(model: type) -> dict:
 
 
 def create_app(engine: Engine, config: ServerConfig) -> FastAPI:
-    """An app serving `engine`; its scheduler thread runs between startup and shutdown."""
+    """An app serving `engine`; its scheduler thread runs between startup and shutdown.
+
+    An engine without a prefix cache gets the one `config` asks for (none when its
+    prefix_cache_bytes is 0); one given its own keeps it. Either way the scheduler thread
+    alone uses it from now on."""
     config.validate(engine.shape)
+    if engine.prefix_cache is None:
+        engine.prefix_cache = config.prefix_cache()
+    store = engine.prefix_cache
     metrics = ServerMetrics()
     scheduler = Scheduler(engine, config.max_batch, config.max_queue, metrics)
     preparer = Preparer(engine, config)
@@ -95,6 +102,9 @@ def create_app(engine: Engine, config: ServerConfig) -> FastAPI:
                 "context": engine.shape.max_positions,
                 "max_prompt_tokens": config.max_prompt_tokens,
                 "max_tokens_limit": config.max_tokens_limit,
+                # the store's bounds: set once, so safe to read outside the scheduler thread
+                "prefix_cache_bytes": store.max_bytes if store is not None else 0,
+                "prefix_min_tokens": store.min_tokens if store is not None else None,
             },
         }
 

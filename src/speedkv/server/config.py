@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from speedkv.core.prefix import PrefixCache
 from speedkv.core.registry import make_policy, parse_spec
 from speedkv.errors import UserError
 from speedkv.hf.backbone import ModelShape
@@ -20,6 +21,8 @@ class ServerConfig:
     max_tokens_limit: int | None = None  # largest max_tokens a request may ask; None: no cap
     max_body_bytes: int = 4 * 2**20
     api_key: str | None = None
+    prefix_cache_bytes: int = 2**30  # buffers cached prompts may hold; 0 turns caching off
+    prefix_min_tokens: int = 16  # shortest cached prefix worth reusing
 
     def check(self) -> ServerConfig:
         """Reject settings that are wrong for any model (UserError), before one is loaded."""
@@ -36,7 +39,29 @@ class ServerConfig:
             raise UserError(f"max-tokens-limit must be at least 1, got {self.max_tokens_limit}")
         if self.api_key is not None and not self.api_key.strip():
             raise UserError("the API key is empty; give a non-empty --api-key or leave it out")
+        if self.prefix_cache_bytes < 0:
+            raise UserError(
+                f"prefix-cache-bytes must be at least 0 (0 turns caching off), "
+                f"got {self.prefix_cache_bytes}"
+            )
+        if self.prefix_min_tokens < 1:
+            raise UserError(f"prefix-min-tokens must be at least 1, got {self.prefix_min_tokens}")
         return self
+
+    def prefix_cache(self) -> PrefixCache | None:
+        """The store of cached prompts these options ask for; None when caching is off."""
+        if self.prefix_cache_bytes == 0:
+            return None
+        return PrefixCache(self.prefix_cache_bytes, self.prefix_min_tokens)
+
+    def prefix_caching(self) -> str:
+        """The prefix-cache setting in words, for the startup line."""
+        if self.prefix_cache_bytes == 0:
+            return "prefix caching off"
+        return (
+            f"prefix cache {self.prefix_cache_bytes / 2**20:g} MiB, "
+            f"reused from {self.prefix_min_tokens} tokens"
+        )
 
     def validate(self, shape: ModelShape) -> ServerConfig:
         """Resolve defaults against the model and reject impossible settings (UserError)."""

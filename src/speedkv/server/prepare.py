@@ -28,6 +28,7 @@ COMPLETION_DEFAULT_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
 class Prepared:
     requests: list[Request]  # one per choice, in choice order
     prompt_tokens: int  # summed over prompts (not choices), for `usage`
+    choices: int  # requests per prompt (n): they come prompt by prompt
     method: str  # canonical spec
     stream: bool
     include_usage: bool
@@ -44,7 +45,7 @@ class Preparer:
         self._check_common(body)
         texts = _prompt_list(body.prompt)
         self._check_count(len(texts), body.n)
-        prompts = [(self._tokens(p), None) for p in texts]
+        prompts = [(self._tokens(p), None, None) for p in texts]
         return self._prepare(
             body, prompts, body.max_tokens, COMPLETION_DEFAULT_MAX_TOKENS, "prompt"
         )
@@ -67,7 +68,7 @@ class Preparer:
                 raise APIError(400, f"the chat template rejected the messages: {err}") from err
             raise
         max_tokens = body.max_completion_tokens or body.max_tokens
-        prompts = [(encoded.ids, encoded.header_tokens)]
+        prompts = [(encoded.ids, encoded.header_tokens, encoded.turn_tokens)]
         return self._prepare(body, prompts, max_tokens, None, "messages")
 
     # -- shared ---------------------------------------------------------------------------
@@ -96,7 +97,7 @@ class Preparer:
     def _prepare(
         self,
         body: _Sampling,
-        prompts: list[tuple[list[int], int | None]],
+        prompts: list[tuple[list[int], int | None, int | None]],  # ids, header, turn tokens
         max_tokens: int | None,
         default_max_tokens: int | None,
         prompt_param: str,
@@ -108,7 +109,7 @@ class Preparer:
         extra = body.speedkv
         temperature, top_p = _temperature_top_p(body.temperature, body.top_p)
         requests = []
-        for ids, header in prompts:
+        for ids, header, turn in prompts:
             budget = self._max_tokens(len(ids), max_tokens, default_max_tokens, prompt_param)
             for choice in range(n):
                 sampling = SamplingParams(
@@ -120,12 +121,12 @@ class Preparer:
                     stop=tuple(_stop_list(body.stop)),
                     ignore_eos=bool(extra and extra.ignore_eos),
                 )
-                request = Request(ids, make_policy(spec, self.shape), sampling, header)
+                request = Request(ids, make_policy(spec, self.shape), sampling, header, turn)
                 self.engine.check_request(request)  # UserError -> 400
                 requests.append(request)
         include_usage = bool(body.stream_options and body.stream_options.include_usage)
-        prompt_tokens = sum(len(ids) for ids, _ in prompts)
-        return Prepared(requests, prompt_tokens, spec, bool(body.stream), include_usage)
+        prompt_tokens = sum(len(ids) for ids, _, _ in prompts)
+        return Prepared(requests, prompt_tokens, n, spec, bool(body.stream), include_usage)
 
     def _method(self, body: _Sampling) -> str:
         """The canonical spec this request runs: its own (if allowed and valid) or the server's."""

@@ -73,7 +73,7 @@ async def respond(
 ) -> Response:
     """Queue the request and answer it: one JSON body, or an SSE stream of chunks."""
     session = Session(scheduler, request, prepared, arrival)
-    formatter = Formatter(chat, model)
+    formatter = Formatter(chat, model, prepared.choices)
     try:
         first = await session.next()
         if isinstance(first[1], Failure):  # fails before any token: still a plain HTTP error

@@ -7,6 +7,11 @@ sequence (`Batch.step`). Tokens go back to the HTTP handlers through their async
 
 A long prompt's prefill blocks the decode steps of the others while it runs: sequences already
 decoding see one long step whenever a newcomer is admitted.
+
+The engine's prefix cache (automatic prefix caching) is touched only by this thread: `Batch.add`
+looks a prompt up and leaves its snapshot there, a finishing sequence leaves its whole cache,
+and the metrics copy the store's state after either, before the client hears of it. HTTP
+threads read only those metrics.
 """
 
 from __future__ import annotations
@@ -171,6 +176,8 @@ class Scheduler:
             self.metrics.finished.labels("error").inc()
             job.deliver(index, Failure(f"prefill failed: {type(err).__name__}"))
             return
+        finally:
+            self._publish_prefix_cache()  # looked up, and the prompt left there
         self.metrics.prompt_tokens.inc(len(request.ids))
         self.metrics.ttft.observe(time.perf_counter() - job.arrival)
         with self._wake:
@@ -189,6 +196,7 @@ class Scheduler:
             self.metrics.generated.inc()
             done = event.finished
             if done is not None:
+                self._publish_prefix_cache()  # its cache went to the prefix cache
                 self.metrics.finished.labels(done.finish_reason).inc()
                 if len(done.output_ids) > 1:
                     self.metrics.tpot.observe(done.tpot_s)
@@ -210,6 +218,10 @@ class Scheduler:
             self._batch.cancel((job_id, index))
             self.metrics.finished.labels("error").inc()
             job.deliver(index, Failure(message, status))
+
+    def _publish_prefix_cache(self) -> None:
+        if self.engine.prefix_cache is not None:
+            self.metrics.publish_prefix_cache(self.engine.prefix_cache)
 
     def _publish(self) -> None:
         self.metrics.kv_bytes.set(self._batch.kv_bytes())

@@ -131,10 +131,17 @@ class ErrorResponse(BaseModel):
     error: ErrorBody
 
 
+class PromptTokensDetails(BaseModel):
+    cached_tokens: int = Field(
+        description="Prompt tokens taken from the server's prefix cache instead of prefilled."
+    )
+
+
 class Usage(BaseModel):
     prompt_tokens: int
     completion_tokens: int
     total_tokens: int
+    prompt_tokens_details: PromptTokensDetails | None = None
 
 
 class SpeedkvStats(BaseModel):
@@ -145,6 +152,9 @@ class SpeedkvStats(BaseModel):
     tpot_s: float
     kv_bytes: int
     kv_bytes_final: int
+    reused_tokens: int = Field(
+        description="Prompt tokens taken from the prefix cache instead of prefilled."
+    )
 
 
 class CompletionChoice(BaseModel):

@@ -15,12 +15,21 @@ def sse(data: dict | str) -> str:
     return f"data: {payload}\n\n"
 
 
-def usage(prompt_tokens: int, generations: list[Generation]) -> dict:
+def usage(prompt_tokens: int, generations: list[Generation], choices: int) -> dict:
+    """OpenAI's `usage` of a response whose generations are `choices` per prompt, in prompt
+    order. A prompt's cached tokens are the fewest any of its choices took from the prefix
+    cache: its later choices reuse the first one's prompt, which says nothing about the
+    client's earlier requests."""
     completion = sum(len(g.output_ids) for g in generations)
+    cached = sum(
+        min(g.reused_tokens for g in generations[at : at + choices])
+        for at in range(0, len(generations), choices)
+    )
     return {
         "prompt_tokens": prompt_tokens,
         "completion_tokens": completion,
         "total_tokens": prompt_tokens + completion,
+        "prompt_tokens_details": {"cached_tokens": cached},
     }
 
 
@@ -32,15 +41,18 @@ def stats(generation: Generation) -> dict:
         "tpot_s": generation.tpot_s,
         "kv_bytes": generation.kv_bytes,
         "kv_bytes_final": generation.kv_bytes_final,
+        "reused_tokens": generation.reused_tokens,
     }
 
 
 class Formatter:
-    """Bodies of one response, chat (`chat.completion`) or text (`text_completion`)."""
+    """Bodies of one response, chat (`chat.completion`) or text (`text_completion`), whose
+    generations are `choices` per prompt."""
 
-    def __init__(self, chat: bool, model: str):
+    def __init__(self, chat: bool, model: str, choices: int):
         self.chat = chat
         self.model = model
+        self.choices = choices
         self.id = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex
         self.created = int(time.time())
 
@@ -71,7 +83,7 @@ class Formatter:
                 for i, (text, g) in enumerate(zip(texts, generations))
             ]
         body = self._envelope("chat.completion" if self.chat else "text_completion", choices)
-        body["usage"] = usage(prompt_tokens, generations)
+        body["usage"] = usage(prompt_tokens, generations, self.choices)
         body["speedkv"] = [stats(g) for g in generations]
         return body
 
@@ -102,5 +114,5 @@ class Formatter:
 
     def usage_chunk(self, prompt_tokens: int, generations: list[Generation]) -> dict:
         chunk = self._envelope("chat.completion.chunk" if self.chat else "text_completion", [])
-        chunk["usage"] = usage(prompt_tokens, generations)
+        chunk["usage"] = usage(prompt_tokens, generations, self.choices)
         return chunk

@@ -48,6 +48,7 @@ class Example:
     prompt_len: int
     header_tokens: int | None  # chat generation-header length, for deep=header
     kind: str
+    turn_tokens: int | None = None  # the last prompt message through the header, for deep=turn
 
     @property
     def response_len(self) -> int:
@@ -241,7 +242,7 @@ def tokenize_record(tokenizer, record: dict) -> Example:
         at = response.find(answer.strip())
         response = response[: at + len(answer.strip())] if at >= 0 else answer
     tail = tokenizer(response, add_special_tokens=False)["input_ids"]
-    return _example(encoded.ids, tail, encoded.header_tokens, kind)
+    return _example(encoded.ids, tail, encoded.header_tokens, kind, encoded.turn_tokens)
 
 
 def _raw_texts(tokenizer, record: dict) -> tuple[str, str]:
@@ -254,11 +255,17 @@ def _raw_texts(tokenizer, record: dict) -> tuple[str, str]:
     return prompt, messages[-1]["content"] + eos
 
 
-def _example(prompt: list[int], response: list[int], header: int | None, kind: str) -> Example:
+def _example(
+    prompt: list[int],
+    response: list[int],
+    header: int | None,
+    kind: str,
+    turn: int | None = None,
+) -> Example:
     if not prompt or not response:
         raise UserError(f"a '{kind}' record has an empty prompt or response after tokenisation")
     ids = torch.tensor(list(prompt) + list(response), dtype=torch.long)
-    return Example(ids, len(prompt), header, kind)
+    return Example(ids, len(prompt), header, kind, turn)
 
 
 def tokenize_all(tokenizer, records: list[dict], seq_len: int) -> tuple[list[Example], int]:

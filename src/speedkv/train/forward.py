@@ -64,12 +64,14 @@ def response_logits(
     prompt_len: int,
     rule: SpeedRule,
     header_tokens: int | None = None,
+    turn_tokens: int | None = None,
 ) -> torch.Tensor:
     """Float32 logits [R, vocab] of the rows predicting the response ids[prompt_len:]: the
-    last prompt token (always in the deep suffix) and every response token but the last."""
+    last prompt token (always in the deep suffix) and every response token but the last.
+    `header_tokens` / `turn_tokens` are the prompt's, for `deep=header` / `deep=turn`."""
     if not 1 <= prompt_len < ids.numel():
         raise ValueError(f"prompt_len {prompt_len} leaves no prompt or no response")
-    h, pos = speed_hidden(backbone, ids, prompt_len, rule, header_tokens)
+    h, pos = speed_hidden(backbone, ids, prompt_len, rule, header_tokens, turn_tokens=turn_tokens)
     rows = (pos >= prompt_len - 1) & (pos < ids.numel() - 1)
     return backbone.logits(h[rows])
 
@@ -139,11 +141,12 @@ class SpeedObjective(torch.nn.Module):
         }
 
     def example_parts(self, example) -> LossParts:
-        args = (example.ids, example.prompt_len)
-        student = response_logits(self.backbone, *args, self.vis, example.header_tokens)
+        ids, prompt_len = example.ids, example.prompt_len
+        chat = (example.header_tokens, example.turn_tokens)
+        student = response_logits(self.backbone, ids, prompt_len, self.vis, *chat)
         teacher = None
         if self.distill > 0:
             with torch.no_grad(), self.peft.disable_adapter():
-                teacher = response_logits(self.backbone, *args, self.full, example.header_tokens)
+                teacher = response_logits(self.backbone, ids, prompt_len, self.full, *chat)
         targets = example.ids[example.prompt_len :]
         return example_loss(student, targets, teacher, self.distill, self.temperature)

@@ -70,6 +70,7 @@ class Probe:
                 make_policy(self.vis.spec, engine.shape),
                 SamplingParams(max_new_tokens=16),
                 example.header_tokens,
+                example.turn_tokens,
             )
             for example, _ in self.passkeys
         ]
@@ -78,7 +79,14 @@ class Probe:
         ]
         nll = tokens = 0.0
         for example in self.texts:
-            logits = response_logits(model.backbone, example.ids, example.prompt_len, self.vis)
+            logits = response_logits(
+                model.backbone,
+                example.ids,
+                example.prompt_len,
+                self.vis,
+                example.header_tokens,
+                example.turn_tokens,
+            )
             targets = example.ids[example.prompt_len :].to(logits.device)
             nll += float(torch.nn.functional.cross_entropy(logits, targets, reduction="sum"))
             tokens += targets.numel()

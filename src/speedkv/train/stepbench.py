@@ -44,7 +44,10 @@ def layer_token_ratio(shape, vis, batch: list[Example]) -> float:
     layers = shape.num_layers
     full = sum(layers * int(e.ids.numel()) for e in batch)
     deep = sum(
-        min(int(e.ids.numel()), vis.anchors + vis.deep_tokens(e.header_tokens) + e.response_len)
+        min(
+            int(e.ids.numel()),
+            vis.anchors + vis.deep_tokens(e.header_tokens, e.turn_tokens) + e.response_len,
+        )
         for e in batch
     )
     speed = sum(vis.lcut * int(e.ids.numel()) for e in batch) + (layers - vis.lcut) * deep
