@@ -10,7 +10,7 @@ from typing import Annotated
 import typer
 
 from speedkv.bench.report import HF
-from speedkv.cli.common import command_line, load, set_threads
+from speedkv.cli.common import command_line, load, model_label, set_threads
 from speedkv.cli.options import (
     METHODS_HELP,
     Adapter,
@@ -22,6 +22,7 @@ from speedkv.cli.options import (
     Model,
     OutDir,
     Threads,
+    Weights,
     count_option,
     parse_methods,
     parsed_option,
@@ -93,6 +94,7 @@ def bench(
     ] = None,
     adapter: Adapter = None,
     dtype: Dtype = "auto",
+    weights: Weights = "native",
     device: Device = "auto",
     threads: Threads = 0,
     as_json: AsJson = False,
@@ -108,7 +110,7 @@ def bench(
     if max_new_tokens < 2:
         raise UserError(f"max-new-tokens must be at least 2 (TPOT needs two), got {max_new_tokens}")
     config = BenchConfig(
-        model=model,
+        model=model_label(model, weights),
         methods=list(methods),
         lengths=list(lengths),
         new_tokens=max_new_tokens,
@@ -117,7 +119,7 @@ def bench(
         command=command_line(),
     )
     set_threads(threads)
-    runner = Bench(load(model, dtype, device, adapter), config, out)
+    runner = Bench(load(model, dtype, device, adapter, weights), config, out)
     result = runner.run(resume=resume)
     if as_json:
         print(json.dumps(result, indent=2))
@@ -154,6 +156,7 @@ def bench_reuse(
     resume: Resume = False,
     adapter: Adapter = None,
     dtype: Dtype = "auto",
+    weights: Weights = "native",
     device: Device = "auto",
     threads: Threads = 0,
     as_json: AsJson = False,
@@ -169,7 +172,7 @@ def bench_reuse(
     from speedkv.bench.reuse_report import markdown_table
 
     config = ReuseBenchConfig(
-        model=model,
+        model=model_label(model, weights),
         methods=list(methods),
         lengths=list(lengths),
         questions=questions,
@@ -179,7 +182,9 @@ def bench_reuse(
         command=command_line(),
     )
     set_threads(threads)
-    result = ReuseBench(load(model, dtype, device, adapter), config, out).run(resume=resume)
+    result = ReuseBench(load(model, dtype, device, adapter, weights), config, out).run(
+        resume=resume
+    )
     if as_json:
         print(json.dumps(result, indent=2))
     else:

@@ -28,18 +28,30 @@ def set_threads(threads: int | None) -> None:
 
 
 def load(
-    model: str, dtype: str = "auto", device: str = "auto", adapter: Path | None = None
+    model: str,
+    dtype: str = "auto",
+    device: str = "auto",
+    adapter: Path | None = None,
+    weights: str = "native",
 ) -> LoadedModel:
-    """The model, with a LoRA adapter merged into it when one is given."""
+    """The model, with a LoRA adapter merged into it when one is given, then its linear
+    weights quantized when `weights` asks for it."""
+    from speedkv.hf.int8 import with_weights
     from speedkv.hf.loading import load_model
 
-    log(f"loading {model}")
+    log(f"loading {model}" + ("" if weights == "native" else f" ({weights} weights)"))
     loaded = load_model(model, dtype=dtype, device=device)
     if adapter is not None:
         from speedkv.hf.adapters import apply_adapter
 
         loaded = apply_adapter(loaded, adapter)
-    return loaded
+    return with_weights(loaded, weights)
+
+
+def model_label(model: str, weights: str) -> str:
+    """How results name the model: its name, and its weights when not the native ones (so
+    runs of both are never mixed on --resume)."""
+    return model if weights == "native" else f"{model}+{weights}"
 
 
 def bind(method: MethodSpec, loaded: LoadedModel, adapter: Path | None = None) -> Policy:

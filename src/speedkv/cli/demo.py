@@ -22,6 +22,7 @@ from speedkv.cli.options import (
     Model,
     PromptTokens,
     Threads,
+    Weights,
 )
 from speedkv.core.engine import Engine
 from speedkv.core.registry import MethodSpec, make_policy
@@ -143,6 +144,7 @@ def demo(
     max_new_tokens: MaxNewTokens = 32,
     adapter: Adapter = None,
     dtype: Dtype = "auto",
+    weights: Weights = "native",
     device: Device = "auto",
     threads: Threads = 0,
     as_json: AsJson = False,
@@ -151,5 +153,5 @@ def demo(
     methods); print the answers and what each cost. With --adapter, the method it was trained
     for runs with it and full runs without."""
     set_threads(threads)
-    loaded = load(model, dtype, device)
+    loaded = load(model, dtype, device, weights=weights)
     run_demo(loaded, methods, prompt_tokens, max_new_tokens, as_json, adapter)

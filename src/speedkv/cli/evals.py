@@ -9,7 +9,7 @@ from typing import Annotated
 
 import typer
 
-from speedkv.cli.common import load, read_text_file, set_threads
+from speedkv.cli.common import load, model_label, read_text_file, set_threads
 from speedkv.cli.options import (
     Adapter,
     AsJson,
@@ -22,6 +22,7 @@ from speedkv.cli.options import (
     OutDir,
     Seed,
     Threads,
+    Weights,
 )
 from speedkv.errors import UserError
 from speedkv.log import log
@@ -78,6 +79,7 @@ def eval_command(
     ] = False,
     adapter: Adapter = None,
     dtype: Dtype = "auto",
+    weights: Weights = "native",
     device: Device = "auto",
     threads: Threads = 0,
     as_json: AsJson = False,
@@ -93,7 +95,7 @@ def eval_command(
     if split not in ("eval", "calib"):
         raise UserError(f"split must be eval or calib, got '{split}'")
     config = EvalConfig(
-        model=model,
+        model=model_label(model, weights),
         methods=list(methods),
         tasks=task_list,
         lengths=list(lengths),
@@ -107,7 +109,7 @@ def eval_command(
         question_turn=question_turn,
     )
     set_threads(threads)
-    runner = EvalRunner(load(model, dtype, device, adapter), config, out)
+    runner = EvalRunner(load(model, dtype, device, adapter, weights), config, out)
     result = runner.run(resume=resume, log=log)
     if as_json:
         print(json.dumps(result, indent=2))

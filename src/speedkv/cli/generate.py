@@ -21,6 +21,7 @@ from speedkv.cli.options import (
     Raw,
     Seed,
     Threads,
+    Weights,
     parsed_option,
 )
 from speedkv.cli.prefix import continue_saved
@@ -60,6 +61,7 @@ def generate(
     ] = None,
     adapter: Adapter = None,
     dtype: Dtype = "auto",
+    weights: Weights = "native",
     device: Device = "auto",
     threads: Threads = 0,
     as_json: AsJson = False,
@@ -81,7 +83,7 @@ def generate(
         stop=tuple(stop or ()),
     ).validate()
     set_threads(threads)
-    loaded = load(model, dtype, device, adapter)
+    loaded = load(model, dtype, device, adapter, weights)
     engine = Engine(loaded)
     if load_file is None:
         policy = bind(method or parse_spec("full"), loaded, adapter)

@@ -108,6 +108,12 @@ def parse_dtype(text: str) -> str:
     return text
 
 
+def parse_weights(text: str) -> str:
+    from speedkv.hf.int8 import check_weights
+
+    return check_weights(text)
+
+
 def parse_device(text: str) -> str:
     import torch
 
@@ -166,6 +172,16 @@ Method = Annotated[
 Methods = Annotated[
     Sequence[MethodSpec],
     parsed_option("--methods", parse=parse_methods, metavar="SPECS", help=METHODS_HELP),
+]
+Weights = Annotated[
+    str,
+    parsed_option(
+        "--weights",
+        parse=parse_weights,
+        metavar="WEIGHTS",
+        help="native: linear weights as loaded; int8: weight-only int8 (one scale per row), "
+        "which speeds up decode where reading weights dominates (docs/int8.md).",
+    ),
 ]
 Dtype = Annotated[
     str,

@@ -21,6 +21,7 @@ from speedkv.cli.options import (
     Raw,
     SaveFile,
     Threads,
+    Weights,
 )
 from speedkv.errors import UserError
 from speedkv.log import log
@@ -45,6 +46,7 @@ def prefill(
     raw: Raw = False,
     adapter: Adapter = None,
     dtype: Dtype = "auto",
+    weights: Weights = "native",
     device: Device = "auto",
     threads: Threads = 0,
     as_json: AsJson = False,
@@ -61,7 +63,7 @@ def prefill(
     check_reusable(method.cls)
     text = read_prompt(prompt, prompt_file)
     set_threads(threads)
-    loaded = load(model, dtype, device, adapter)
+    loaded = load(model, dtype, device, adapter, weights)
     policy = bind(method, loaded, adapter)
     engine = Engine(loaded)
     cached = engine.prefill(text, policy, chat=not raw)

@@ -13,6 +13,7 @@ from speedkv.cli.options import (
     Dtype,
     Model,
     Threads,
+    Weights,
     count_option,
     parsed_option,
 )
@@ -99,6 +100,7 @@ def serve(
         ),
     ] = None,
     dtype: Dtype = "auto",
+    weights: Weights = "native",
     device: Device = "auto",
     threads: Threads = 0,
     log_level: Annotated[
@@ -136,7 +138,7 @@ def serve(
     ).check()  # mistakes fail before the model loads
     if host not in LOOPBACK and not api_key:
         _log(f"warning: binding {host} without --api-key; anyone who can reach it may use it")
-    loaded = load(model, dtype, device, adapter)
+    loaded = load(model, dtype, device, adapter, weights)
     config.model_name = loaded.name
     config.method = bind(method, loaded, adapter).spec()  # canonical, and checked on the model
     app_ = create_app(Engine(loaded), config)
