@@ -26,7 +26,7 @@ from speedkv.core.registry import MethodSpec, config_record, make_policy
 from speedkv.core.sampling import SamplingParams
 from speedkv.errors import UserError
 from speedkv.hf.loading import LoadedModel
-from speedkv.prompts.builders import chat_document
+from speedkv.prompts.builders import QUESTION_ROOM, chat_document
 
 # Questions about an essay, each about 30 tokens as a chat turn (with the generation header).
 QUESTIONS = (
@@ -43,7 +43,6 @@ QUESTIONS = (
     "List the three ideas from the document that seem most surprising, and explain briefly "
     "why each one matters.",
 )
-QUESTION_ROOM = 48  # tokens a question's turn takes at most, with the generation header
 
 
 @dataclass

@@ -69,9 +69,8 @@ def generate(
     """Generate a continuation of one prompt, streaming the text as it is produced. With
     --load, the prompt continues a cache saved by `speedkv prefill`."""
     from speedkv.bench.memory import peak_rss_bytes, reset_peak_rss
-    from speedkv.core.engine import Engine, Request
+    from speedkv.core.engine import Engine
     from speedkv.core.sampling import SamplingParams
-    from speedkv.hf.text import encode_prompt
 
     text = read_prompt(prompt, prompt_file)
     sampling = SamplingParams(
@@ -87,8 +86,7 @@ def generate(
     engine = Engine(loaded)
     if load_file is None:
         policy = bind(method or parse_spec("full"), loaded, adapter)
-        encoded = encode_prompt(loaded.tokenizer, text, chat=not raw)
-        request = Request(encoded.ids, policy, sampling, encoded.header_tokens, encoded.turn_tokens)
+        request = engine.request(text, policy, chat=not raw, sampling=sampling)
         cached = ""
     else:
         request = continue_saved(engine, load_file, text, sampling, method, raw, adapter)

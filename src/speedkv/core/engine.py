@@ -316,18 +316,16 @@ class Engine:
     def request(
         self,
         prompt: str,
-        method: str | Policy = "full",
+        method: str | MethodSpec | Policy = "full",
         chat: bool = True,
         sampling: SamplingParams | None = None,
     ) -> Request:
         """A request from prompt text, through the chat template unless chat=False."""
-        if self.tokenizer is None:
-            raise UserError("this model has no tokenizer; pass token ids instead of text")
+        self._need_tokenizer()
         encoded = encode_prompt(self.tokenizer, prompt, chat=chat)
-        policy = method if isinstance(method, Policy) else make_policy(method, self.shape)
         return Request(
             encoded.ids,
-            policy,
+            self._policy(method),
             sampling or SamplingParams(),
             encoded.header_tokens,
             encoded.turn_tokens,

@@ -34,7 +34,6 @@ from speedkv.prompts.haystack import sentence_count
 TASK = "reuse"
 MAX_NEW_TOKENS = 40
 FACT_DEPTHS = (0.1, 0.37, 0.63, 0.9)  # one fact at each; which fact where is drawn per document
-QUESTION_ROOM = 48  # tokens a question's turn adds to the document, at most (with the header)
 
 NAMES = (
     "Ingrid", "Tomas", "Yara", "Felix", "Nadia", "Oscar",

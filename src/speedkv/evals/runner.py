@@ -35,6 +35,7 @@ from speedkv.evals.tasks import (
 )
 from speedkv.hf.loading import LoadedModel
 from speedkv.hf.text import EncodedPrompt
+from speedkv.prompts.builders import QUESTION_ROOM
 
 # Bump when prompts, wording or scoring change: records made under another version are not
 # mixed with new ones on --resume.
@@ -112,7 +113,7 @@ class EvalRunner:
                             f"length {length} is too short for task reuse: it needs at least "
                             f"{needed} tokens (half of them essay text)"
                         )
-                    room = length + reuse.QUESTION_ROOM + max_new_tokens(task)
+                    room = length + QUESTION_ROOM + max_new_tokens(task)
                 elif is_needle(task):
                     needed = 2 * needles.shortest_prompt(tok, task, cfg.question_turn)
                     if length < needed:

@@ -17,6 +17,9 @@ from speedkv.prompts.haystack import haystack_text, sentence_pool, take_sentence
 # Essay text is encoded a little past the length wanted, then cut: tokens can merge across
 # sentence boundaries, so the sentences' own counts do not add up exactly.
 MARGIN = 64
+# Tokens a question's chat turn adds to a cached document at most, with the generation header:
+# the room a document must leave in the context for the questions asked of it.
+QUESTION_ROOM = 48
 
 
 def raw_passage(tokenizer, tokens: int, split: str, start: int) -> list[int]:
