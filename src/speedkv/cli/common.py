@@ -33,9 +33,11 @@ def load(
     device: str = "auto",
     adapter: Path | None = None,
     weights: str = "native",
+    prepack: bool = False,
 ) -> LoadedModel:
     """The model, with a LoRA adapter merged into it when one is given, then its linear
-    weights quantized when `weights` asks for it."""
+    weights quantized when `weights` asks for it; with `prepack`, decode runs on a copy of the
+    weights prepacked for oneDNN."""
     from speedkv.hf.int8 import with_weights
     from speedkv.hf.loading import load_model
 
@@ -45,7 +47,9 @@ def load(
         from speedkv.hf.adapters import apply_adapter
 
         loaded = apply_adapter(loaded, adapter)
-    return with_weights(loaded, weights)
+    loaded = with_weights(loaded, weights)
+    loaded.backbone.prepack_decode(prepack)
+    return loaded
 
 
 def model_label(model: str, weights: str) -> str:

@@ -20,6 +20,7 @@ from speedkv.cli.options import (
     MaxNewTokens,
     Methods,
     Model,
+    Prepack,
     PromptTokens,
     Threads,
     Weights,
@@ -145,6 +146,7 @@ def demo(
     adapter: Adapter = None,
     dtype: Dtype = "auto",
     weights: Weights = "native",
+    prepack: Prepack = True,
     device: Device = "auto",
     threads: Threads = 0,
     as_json: AsJson = False,
@@ -153,5 +155,5 @@ def demo(
     methods); print the answers and what each cost. With --adapter, the method it was trained
     for runs with it and full runs without."""
     set_threads(threads)
-    loaded = load(model, dtype, device, weights=weights)
+    loaded = load(model, dtype, device, weights=weights, prepack=prepack)
     run_demo(loaded, methods, prompt_tokens, max_new_tokens, as_json, adapter)

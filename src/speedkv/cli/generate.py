@@ -17,6 +17,7 @@ from speedkv.cli.options import (
     LoadFile,
     MaxNewTokens,
     Model,
+    Prepack,
     PromptFile,
     Raw,
     Seed,
@@ -62,6 +63,7 @@ def generate(
     adapter: Adapter = None,
     dtype: Dtype = "auto",
     weights: Weights = "native",
+    prepack: Prepack = True,
     device: Device = "auto",
     threads: Threads = 0,
     as_json: AsJson = False,
@@ -82,7 +84,7 @@ def generate(
         stop=tuple(stop or ()),
     ).validate()
     set_threads(threads)
-    loaded = load(model, dtype, device, adapter, weights)
+    loaded = load(model, dtype, device, adapter, weights, prepack)
     engine = Engine(loaded)
     if load_file is None:
         policy = bind(method or parse_spec("full"), loaded, adapter)
@@ -92,8 +94,10 @@ def generate(
         request = continue_saved(engine, load_file, text, sampling, method, raw, adapter)
         cached = f" ({len(request.prefix)} cached in {load_file})"
     engine.check_request(request)
-    log(f"{len(request.ids)} prompt tokens{cached}, method {request.policy.spec()}, "
-        f"{loaded.dtype_name}")  # fmt: skip
+    log(
+        f"{len(request.ids)} prompt tokens{cached}, method {request.policy.spec()}, "
+        f"{loaded.dtype_name}"
+    )
     reset_peak_rss()
     result = None
     for event in engine.run([request]):

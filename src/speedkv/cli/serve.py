@@ -12,6 +12,7 @@ from speedkv.cli.options import (
     Device,
     Dtype,
     Model,
+    Prepack,
     Threads,
     Weights,
     count_option,
@@ -101,6 +102,7 @@ def serve(
     ] = None,
     dtype: Dtype = "auto",
     weights: Weights = "native",
+    prepack: Prepack = True,
     device: Device = "auto",
     threads: Threads = 0,
     log_level: Annotated[
@@ -138,7 +140,7 @@ def serve(
     ).check()  # mistakes fail before the model loads
     if host not in LOOPBACK and not api_key:
         _log(f"warning: binding {host} without --api-key; anyone who can reach it may use it")
-    loaded = load(model, dtype, device, adapter, weights)
+    loaded = load(model, dtype, device, adapter, weights, prepack)
     config.model_name = loaded.name
     config.method = bind(method, loaded, adapter).spec()  # canonical, and checked on the model
     app_ = create_app(Engine(loaded), config)

@@ -201,6 +201,7 @@ class Engine:
         `start` on, and they attend to `base`'s entries at positions before `start` (which
         are copied, never written)."""
         ids = torch.as_tensor(ids, dtype=torch.long, device=self.device).flatten()
+        self.backbone.check_weights()  # fuse anew if the model's weights were replaced
         if base is not None:
             positions = torch.arange(start, start + ids.numel(), device=self.device)
             prompt = PromptInfo(ids, header_tokens, positions, start + ids.numel(), turn_tokens)
@@ -239,10 +240,10 @@ class Engine:
         plans = [decode_plan(p, self.depth) for p in policies]
         sources = {ki[0] for plan in plans for _, ki, _ in plan if ki is not None}
         saved: dict[int, torch.Tensor] = {}
+        q, k, v = bb.before_attention(0, h, cos, sin)  # [B, heads, 1, D]
         for layer in range(self.depth):
             if layer in sources:
                 saved[layer] = h
-            q, k, v = bb.qkv(layer, bb.input_norm(layer, h), cos, sin)  # [B, heads, 1, D]
             outs = []
             for b, plan in enumerate(plans):
                 owner, kv_input, keep = plan[layer]
@@ -260,7 +261,11 @@ class Engine:
                 if owner == layer and keep:
                     kv.commit()
                 policies[b].after_decode(layer, q[b], kv)
-            h = bb.mlp_block(layer, h + bb.attn_out(layer, torch.stack(outs)))
+            o = outs[0][None] if len(outs) == 1 else torch.stack(outs)
+            if layer + 1 < self.depth:  # this layer's MLP and the next one's q, k, v
+                h, q, k, v = bb.between_attentions(layer, h, o, cos, sin)
+            else:
+                h = bb.after_attention(layer, h, o)
         return bb.logits(bb.final_norm(h[:, -1]))
 
     # -- generation --------------------------------------------------------------------------

@@ -11,6 +11,7 @@ When a transformers release renames something, this is the file to change.
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import json
 from dataclasses import dataclass
@@ -19,8 +20,21 @@ import torch
 from torch import nn
 
 from speedkv.errors import UserError
+from speedkv.hf import decode_layer
+from speedkv.hf.decode_layer import LayerDims, LayerTensors, apply_rope
+from speedkv.hf.fused import (
+    FusedProjection,
+    apply_linear,
+    can_prepack,
+    linear_tensors,
+    prepacked,
+)
+from speedkv.hf.int8 import Int8Linear
 
 SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
+# The families' RMSNorm classes, which all compute weight * (x / rms(x) in float32, rounded to
+# the input dtype); the decoder runs that as one fused kernel instead of the module's six ops.
+T5_STYLE_NORMS = ("LlamaRMSNorm", "MistralRMSNorm", "Qwen2RMSNorm", "Qwen3RMSNorm")
 FINGERPRINT_SAMPLES = 1024  # values read from each parameter
 # config entries that say how the model was loaded or what it returns, not what it computes
 NOT_FINGERPRINTED = {
@@ -80,17 +94,40 @@ def shape_of(config) -> ModelShape:
     )
 
 
-def rotate_half(x: torch.Tensor) -> torch.Tensor:
-    half = x.shape[-1] // 2
-    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+def rms_norm(norm: nn.Module, x: torch.Tensor) -> torch.Tensor:
+    """`norm(x)`, through torch's fused kernel when `norm` is one of the families' RMSNorms."""
+    if type(norm).__name__ not in T5_STYLE_NORMS:
+        return norm(x)
+    return decode_layer.rms_norm(x, norm.weight, norm.variance_epsilon)
 
 
-def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Rotary embedding in the rotate-half layout used by HF Llama-family checkpoints.
+def can_prepack_layer(weights: LayerTensors | None) -> bool:
+    return weights is not None and all(
+        can_prepack(t) for t in (weights.qkv, weights.o, weights.gate_up, weights.down)
+    )
 
-    x: [..., heads, n, head_dim]; cos, sin: [n, head_dim] (broadcast over heads).
-    """
-    return x * cos + rotate_half(x) * sin
+
+def prepack_layer(weights: LayerTensors) -> LayerTensors:
+    return dataclasses.replace(
+        weights,
+        qkv=prepacked(weights.qkv),
+        o=prepacked(weights.o),
+        gate_up=prepacked(weights.gate_up),
+        down=prepacked(weights.down),
+    )
+
+
+def decode_dims(config, shape: ModelShape) -> LayerDims | None:
+    """The layer constants of `decode_layer`, or None when the model's layers are not the
+    form it computes (another activation, per-head q/k norms, a norm eps it cannot find)."""
+    eps = getattr(config, "rms_norm_eps", None)
+    if getattr(config, "hidden_act", None) != "silu" or eps is None:
+        return None
+    if shape.model_type == "qwen3":  # per-head q/k norms run as the model's modules
+        return None
+    q = shape.num_heads * shape.head_dim
+    kv = shape.num_kv_heads * shape.head_dim
+    return LayerDims(float(eps), (q, kv, kv), shape.head_dim, shape.intermediate_size)
 
 
 class Backbone:
@@ -108,6 +145,12 @@ class Backbone:
         self._lm_head = hf_model.lm_head
         self.scaling = self.shape.head_dim**-0.5
         self._rope_table: tuple[torch.Tensor, torch.Tensor] | None = None
+        self._fused: dict[int, tuple[FusedProjection, FusedProjection]] = {}
+        self._decode_weights: list[LayerTensors | None] | None = None
+        self._weights_key: tuple[int, ...] = ()
+        self._dims = decode_dims(self.config, self.shape)
+        self.prepacked = False
+        self._packed_head: tuple[torch.Tensor | None, ...] | None = None
 
     # -- basic facts --------------------------------------------------------------------------
     @property
@@ -117,6 +160,11 @@ class Backbone:
     @property
     def dtype(self) -> torch.dtype:
         return self._embed.weight.dtype
+
+    @property
+    def int8_weights(self) -> bool:
+        """Whether the linear layers hold int8 weights (`--weights int8`)."""
+        return any(isinstance(m, Int8Linear) for m in self.hf_model.modules())
 
     def fingerprint(self) -> str:
         """A digest of what the model computes: its config (without how it was loaded) and a
@@ -173,24 +221,25 @@ class Backbone:
         return table[0][positions], table[1][positions]
 
     def final_norm(self, h: torch.Tensor) -> torch.Tensor:
-        return self._norm(h)
+        return rms_norm(self._norm, h)
 
     def logits(self, h: torch.Tensor) -> torch.Tensor:
         """LM head over (already normed) hidden states, in float32 for sampling."""
+        if self._packed_head is not None:
+            return apply_linear(h, self._packed_head).float()
         return self._lm_head(h).float()
 
     # -- one decoder layer, in parts -------------------------------------------------------
     def input_norm(self, layer: int, h: torch.Tensor) -> torch.Tensor:
-        return self.layers[layer].input_layernorm(h)
+        return rms_norm(self.layers[layer].input_layernorm, h)
 
     def qkv(
         self, layer: int, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """Post-rotary q [..., Hq, n, D] and k, v [..., Hkv, n, D] of normed input x [..., n, H]."""
         attn = self.layers[layer].self_attn
-        q = self._heads(attn.q_proj(x))
-        k = self._heads(attn.k_proj(x))
-        v = self._heads(attn.v_proj(x))
+        qkv, _ = self._projections(layer)
+        q, k, v = (self._heads(t) for t in qkv(x).split(qkv.sizes, dim=-1))
         if hasattr(attn, "q_norm"):  # Qwen3 normalises q and k per head before rotary
             q = attn.q_norm(q.transpose(-3, -2)).transpose(-3, -2)
             k = attn.k_norm(k.transpose(-3, -2)).transpose(-3, -2)
@@ -223,7 +272,96 @@ class Backbone:
     def mlp_block(self, layer: int, h: torch.Tensor) -> torch.Tensor:
         """h + MLP(post_attention_layernorm(h))."""
         block = self.layers[layer]
-        return h + block.mlp(block.post_attention_layernorm(h))
+        _, gate_up = self._projections(layer)
+        gate, up = gate_up(rms_norm(block.post_attention_layernorm, h)).split(gate_up.sizes, -1)
+        return h + block.mlp.down_proj(block.mlp.act_fn(gate) * up)
+
+    # -- a decode step's dense work in one layer (see decode_layer.py) ----------------------
+    def before_attention(
+        self, layer: int, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """q, k, v of the residual h [..., n, H] entering `layer` (qkv of its input norm)."""
+        weights = self.decode_weights()[layer]
+        if weights is None:
+            return self.qkv(layer, self.input_norm(layer, h), cos, sin)
+        return decode_layer.before_attention(h, weights, cos, sin, self._dims)
+
+    def after_attention(self, layer: int, h: torch.Tensor, o: torch.Tensor) -> torch.Tensor:
+        """The residual leaving `layer`, from the one entering it and attention output o."""
+        weights = self.decode_weights()[layer]
+        if weights is None:
+            return self.mlp_block(layer, h + self.attn_out(layer, o))
+        return decode_layer.after_attention(h, o, weights, self._dims)
+
+    def between_attentions(
+        self, layer: int, h: torch.Tensor, o: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+        """`after_attention` of `layer`, then `before_attention` of the next one: the residual
+        entering layer + 1 and its q, k, v."""
+        weights = self.decode_weights()
+        done, following = weights[layer], weights[layer + 1]
+        if done is None or following is None:
+            h = self.after_attention(layer, h, o)
+            return h, *self.before_attention(layer + 1, h, cos, sin)
+        return decode_layer.between_attentions(h, o, done, following, cos, sin, self._dims)
+
+    def decode_weights(self) -> list[LayerTensors | None]:
+        """Every layer's weights as plain tensors; None for a layer where some piece must run
+        as the model's own module (an adapter wrapper, trainable weights, per-head q/k norms,
+        an unusual norm or activation)."""
+        if self._decode_weights is None:
+            self.check_weights()
+        return self._decode_weights  # type: ignore[return-value]
+
+    def check_weights(self) -> None:
+        """Fuse the projections and gather the layers' weights anew if any parameter was
+        replaced since they were (an adapter merged or wrapped, new weights loaded). The
+        engine calls it before each prefill: cheap when nothing changed."""
+        if self._decode_weights is not None and self._weights_key == self._parameter_ids():
+            return
+        self._fused = {}
+        layers = [self._layer_tensors(i) for i in range(self.shape.num_layers)]
+        head = linear_tensors(self._lm_head)
+        self._packed_head = None
+        if self.prepacked and can_prepack(head) and all(can_prepack_layer(w) for w in layers):
+            layers = [prepack_layer(w) for w in layers]  # type: ignore[arg-type]
+            self._packed_head = prepacked(head)  # type: ignore[arg-type]
+        self._decode_weights = layers
+        self._weights_key = self._parameter_ids()  # fusing replaced the parts' parameters
+
+    def _parameter_ids(self) -> tuple[int, ...]:
+        return tuple(id(p) for p in self.hf_model.parameters())
+
+    def _layer_tensors(self, layer: int) -> LayerTensors | None:
+        if self._dims is None:
+            return None
+        block = self.layers[layer]
+        qkv, gate_up = self._projections(layer)
+        o = linear_tensors(block.self_attn.o_proj)
+        down = linear_tensors(block.mlp.down_proj)
+        norms = (block.input_layernorm, block.post_attention_layernorm)
+        if qkv.tensors is None or gate_up.tensors is None or o is None or down is None:
+            return None
+        if any(type(n).__name__ not in T5_STYLE_NORMS for n in norms):
+            return None
+        return LayerTensors(norms[0].weight, qkv.tensors, o, norms[1].weight, gate_up.tensors, down)
+
+    def prepack_decode(self, enabled: bool = True) -> None:
+        """Decode with a copy of every plain linear weight, the LM head included, prepacked for
+        oneDNN (see fused.prepacked), or with the weights as they are (prefill always uses
+        those). A CPU with oneDNN and float32 or bfloat16 weights only; anywhere else this
+        changes nothing."""
+        self.prepacked = enabled
+        self._decode_weights = None
+
+    def _projections(self, layer: int) -> tuple[FusedProjection, FusedProjection]:
+        """The layer's q/k/v and gate/up projections, each fused into one matmul."""
+        fused = self._fused.get(layer)
+        if fused is None:
+            attn, mlp = self.layers[layer].self_attn, self.layers[layer].mlp
+            qkv = FusedProjection((attn.q_proj, attn.k_proj, attn.v_proj))
+            fused = self._fused[layer] = (qkv, FusedProjection((mlp.gate_proj, mlp.up_proj)))
+        return fused
 
     def _heads(self, x: torch.Tensor) -> torch.Tensor:
         # [..., n, heads*D] -> [..., heads, n, D]

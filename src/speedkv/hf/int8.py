@@ -12,13 +12,16 @@ fast kernel for each shape. Off the CPU the dequantized path is always taken.
 from __future__ import annotations
 
 import copy
+from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from speedkv.errors import UserError
-from speedkv.hf.loading import LoadedModel
+
+if TYPE_CHECKING:  # loading -> backbone -> fused -> this module: LoadedModel at call time
+    from speedkv.hf.loading import LoadedModel
 
 WEIGHTS = ("native", "int8")  # how a loaded model may keep its linear weights
 # Rows up to which the int8 kernel beats dequantize + matmul (measured here: equal at 8).
@@ -40,26 +43,54 @@ class Int8Linear(nn.Module):
         self.bias = None if bias is None else nn.Parameter(bias.detach(), requires_grad=False)
         self.in_features, self.out_features = linear.in_features, linear.out_features
 
+    @classmethod
+    def from_rows(
+        cls, rows: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None = None
+    ) -> Int8Linear:
+        """A layer over int8 `rows` [out, in] and their per-row `scale` as they are (shared,
+        not copied)."""
+        layer = cls.__new__(cls)
+        nn.Module.__init__(layer)
+        layer.qweight = nn.Parameter(rows, requires_grad=False)
+        layer.scale = nn.Parameter(scale, requires_grad=False)
+        layer.bias = None if bias is None else nn.Parameter(bias, requires_grad=False)
+        layer.out_features, layer.in_features = rows.shape
+        return layer
+
     def dequantized(self, dtype: torch.dtype) -> torch.Tensor:
         return self.qweight.to(dtype) * self.scale.to(dtype)[:, None]
 
+    def tensors(self) -> tuple[torch.Tensor, ...]:
+        """What `int8_linear` takes: (rows, scale, bias)."""
+        return self.qweight, self.scale, self.bias
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        rows = x.reshape(-1, x.shape[-1])
-        if rows.shape[0] <= KERNEL_MAX_ROWS and x.device.type == "cpu":
-            scale = self.scale if self.scale.dtype == x.dtype else self.scale.to(x.dtype)
-            out = torch.ops.aten._weight_int8pack_mm(rows.contiguous(), self.qweight, scale)
-            out = out.reshape(*x.shape[:-1], self.out_features)
-            return out if self.bias is None else out + self.bias
-        return F.linear(x, self.dequantized(x.dtype), self.bias)
+        return int8_linear(x, self.qweight, self.scale, self.bias)
 
     def extra_repr(self) -> str:
         return f"in_features={self.in_features}, out_features={self.out_features}, int8"
+
+
+def int8_linear(
+    x: torch.Tensor, rows: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None
+) -> torch.Tensor:
+    """x @ (rows * scale).T + bias: the int8 kernel for a few input rows on a CPU, else a
+    matmul with the dequantized weight."""
+    flat = x.reshape(-1, x.shape[-1])
+    if flat.shape[0] <= KERNEL_MAX_ROWS and x.device.type == "cpu":
+        scale = scale if scale.dtype == x.dtype else scale.to(x.dtype)
+        out = torch.ops.aten._weight_int8pack_mm(flat.contiguous(), rows, scale)
+        out = out.reshape(*x.shape[:-1], rows.shape[0])
+        return out if bias is None else out + bias
+    return F.linear(x, rows.to(x.dtype) * scale.to(x.dtype)[:, None], bias)
 
 
 def quantize_int8(loaded: LoadedModel) -> LoadedModel:
     """A new LoadedModel whose decoder linear layers and LM head hold int8 weights (`loaded`
     is left as it was). The embedding and the norms stay as they were; a head tied to the
     embedding gets an int8 copy of its own."""
+    from speedkv.hf.loading import LoadedModel
+
     model = copy.deepcopy(loaded.hf_model)
     swaps = [
         (parent, child_name, child)

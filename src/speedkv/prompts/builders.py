@@ -38,12 +38,14 @@ def passage_prompt(tokenizer, passage: str, request: str) -> list[int]:
     return encode_prompt(tokenizer, f"{passage}\n\n{request}").ids
 
 
-def exact_chat_prompt(tokenizer, length: int) -> list[int]:
-    """Exactly `length` ids: the chat template around essay text, so position 0 is the
-    template's first token (the BoS anchor) and the prompt ends with the generation header."""
+def exact_chat_prompt(tokenizer, length: int, start: int = 0) -> list[int]:
+    """Exactly `length` ids: the chat template around essay text from sentence `start` on, so
+    position 0 is the template's first token (the BoS anchor) and the prompt ends with the
+    generation header."""
     head, tail = _template_around(tokenizer, generation_header=True)
     body_len = _room(length, head, tail)
-    body = tokenizer(haystack_text(tokenizer, body_len + MARGIN), add_special_tokens=False)
+    text = haystack_text(tokenizer, body_len + MARGIN, start=start)
+    body = tokenizer(text, add_special_tokens=False)
     return head + body["input_ids"][:body_len] + tail
 
 

@@ -1,0 +1,118 @@
+"""Where a decode step's milliseconds go: weight matmuls, attention, and the rest.
+
+    .venv/bin/python benchmarks/decode_breakdown.py --lengths 2048,8192 --steps 24
+
+For each prompt length, mode (plain weights, weights prepacked for oneDNN) and method,
+prefills one prompt, then times decode steps with nothing else running (the step's wall time,
+median) and profiles as many again with torch.profiler, which splits the time of the ops:
+products with the weights (mm, oneDNN's linear, the int8 kernel), attention (torch's flash
+kernel), and everything else (norms, rotary, residual adds, cache writes, the split-attention
+merge, Python) as the step's wall time minus those two. Prints a
+markdown table. Works on any checkout of speedkv on the path, so the same command measures
+an older engine (the prepacked mode is skipped where the engine has none).
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+
+from torch.profiler import ProfilerActivity, profile
+
+from speedkv import Engine, load_model
+from speedkv.prompts.builders import chat_document
+
+MATMUL_OPS = {
+    "aten::mm",
+    "aten::addmm",
+    "aten::_weight_int8pack_mm",
+    "aten::bmm",
+    "mkldnn::_linear_pointwise",
+}
+ATTENTION_OPS = {
+    "aten::_scaled_dot_product_flash_attention_for_cpu",
+    "aten::_scaled_dot_product_efficient_attention",
+    "aten::_scaled_dot_product_flash_attention",
+}
+
+
+def decode_steps(engine: Engine, ids: list[int], method: str, steps: int):
+    """A prefilled sequence and a function running its next decode step."""
+    policy = engine._policy(method).fresh()
+    done = engine.prefill_ids(ids, policy, spare=2 * steps + 8)
+    state = {"token": int(done.logits.argmax()), "pos": done.next_position}
+
+    def step() -> None:
+        logits = engine.decode_step([done.cache], [policy], [state["token"]], [state["pos"]])
+        state["token"], state["pos"] = int(logits[0].argmax()), state["pos"] + 1
+
+    return step
+
+
+def measure(engine: Engine, ids: list[int], method: str, steps: int) -> dict:
+    step = decode_steps(engine, ids, method, steps)
+    for _ in range(4):  # warm-up
+        step()
+    walls = []
+    for _ in range(steps):
+        start = time.perf_counter()
+        step()
+        walls.append(time.perf_counter() - start)
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        for _ in range(steps):
+            step()
+    matmul = attention = 0.0
+    for event in prof.key_averages():
+        if event.key in MATMUL_OPS:
+            matmul += event.self_cpu_time_total
+        elif event.key in ATTENTION_OPS:
+            attention += event.self_cpu_time_total
+    wall_ms = 1000 * statistics.median(walls)
+    matmul_ms, attention_ms = matmul / 1000 / steps, attention / 1000 / steps
+    return {
+        "step_ms": wall_ms,
+        "matmul_ms": matmul_ms,
+        "attention_ms": attention_ms,
+        "rest_ms": max(0.0, wall_ms - matmul_ms - attention_ms),
+    }
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--lengths", default="2048,8192")
+    parser.add_argument("--methods", default="full;speed:lcut=22,anchors=bos")
+    parser.add_argument("--modes", default="plain,prepacked", help="plain and/or prepacked")
+    parser.add_argument("--steps", type=int, default=24)
+    parser.add_argument("--dtype", default="bfloat16")
+    parser.add_argument("--weights", default="native", help="native or int8")
+    parser.add_argument("--label", default="", help="a name for this engine in the table")
+    args = parser.parse_args()
+    model = load_model("smollm2-135m", dtype=args.dtype, progress=False)
+    if args.weights != "native":
+        from speedkv.hf.int8 import with_weights
+
+        model = with_weights(model, args.weights)
+    engine = Engine(model)
+    rows = []
+    for mode in args.modes.split(","):
+        if mode == "prepacked":
+            if not hasattr(model.backbone, "prepack_decode"):
+                continue
+            model.backbone.prepack_decode()
+        for n in (int(x) for x in args.lengths.split(",")):
+            ids = model.tokenizer(chat_document(model.tokenizer, n))["input_ids"][:n]
+            for method in args.methods.split(";"):
+                r = measure(engine, ids, method, args.steps)
+                rows.append((args.label or mode, mode, method, n, r))
+    print("| engine | mode | method | tokens | step ms | matmuls ms | attention ms | rest ms |")
+    print("|---|---|---|---:|---:|---:|---:|---:|")
+    for label, mode, method, n, r in rows:
+        print(
+            f"| {label} | {mode} | `{method}` | {n} | {r['step_ms']:.1f} | {r['matmul_ms']:.1f} "
+            f"| {r['attention_ms']:.1f} | {r['rest_ms']:.1f} |"
+        )
+
+
+if __name__ == "__main__":
+    main()

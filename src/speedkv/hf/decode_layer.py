@@ -1,0 +1,109 @@
+"""A decode step's dense work in one layer, as functions of the layer's weights.
+
+Everything a decode token does in a layer besides attention -- norm, q/k/v projection, rotary,
+output projection, residual, norm, MLP, residual -- is the same computation in every layer
+with other weights. These functions take the weights as plain tensors (fused q/k/v and
+gate/up, optionally prepacked for oneDNN: see fused.py), so the step runs a few large
+operations per layer instead of the model's modules, one by one.
+
+A layer runs through here only when every piece is a plain tensor operation: frozen plain or
+int8 linear layers, the families' RMSNorm, SiLU, no per-head q/k norms. Otherwise the backbone
+runs the model's own modules (see `Backbone.decode_weights`).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from speedkv.hf.fused import apply_linear
+
+Linear = tuple[torch.Tensor | None, ...]  # (weight, bias) or int8 (rows, scale, bias)
+
+
+@dataclass(frozen=True)
+class LayerTensors:
+    """One decoder layer's weights."""
+
+    input_norm: torch.Tensor
+    qkv: Linear  # q, k, v rows stacked
+    o: Linear
+    post_norm: torch.Tensor
+    gate_up: Linear  # gate, up rows stacked
+    down: Linear
+
+
+@dataclass(frozen=True)
+class LayerDims:
+    """What the functions need to know besides the weights (the same in every layer)."""
+
+    eps: float
+    qkv_sizes: tuple[int, int, int]
+    head_dim: int
+    intermediate: int
+
+
+def rotate_half(x: torch.Tensor) -> torch.Tensor:
+    half = x.shape[-1] // 2
+    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotary embedding in the rotate-half layout used by HF Llama-family checkpoints.
+
+    x: [..., heads, n, head_dim]; cos, sin: [n, head_dim] (broadcast over heads).
+    """
+    return x * cos + rotate_half(x) * sin
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """weight * (x / rms(x)), computed in float32 and rounded to x's dtype before the weight,
+    as the Llama-family RMSNorm modules do."""
+    return weight * F.rms_norm(x.float(), (x.shape[-1],), eps=eps).to(x.dtype)
+
+
+def heads(x: torch.Tensor, head_dim: int) -> torch.Tensor:
+    """[..., n, heads*D] -> [..., heads, n, D]."""
+    return x.unflatten(-1, (-1, head_dim)).transpose(-3, -2)
+
+
+def before_attention(
+    h: torch.Tensor,
+    weights: LayerTensors,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+    dims: LayerDims,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Post-rotary q [..., Hq, n, D] and k, v [..., Hkv, n, D] of the residual h [..., n, H]."""
+    x = rms_norm(h, weights.input_norm, dims.eps)
+    q, k, v = apply_linear(x, weights.qkv).split(dims.qkv_sizes, dim=-1)
+    q, k, v = heads(q, dims.head_dim), heads(k, dims.head_dim), heads(v, dims.head_dim)
+    return apply_rope(q, cos, sin), apply_rope(k, cos, sin), v
+
+
+def after_attention(
+    h: torch.Tensor, o: torch.Tensor, weights: LayerTensors, dims: LayerDims
+) -> torch.Tensor:
+    """The residual leaving the layer, from the one entering it (h [..., n, H]) and the
+    attention output o [..., Hq, n, D]."""
+    h = h + apply_linear(o.transpose(-3, -2).flatten(-2), weights.o)
+    x = rms_norm(h, weights.post_norm, dims.eps)
+    gate, up = apply_linear(x, weights.gate_up).split(dims.intermediate, dim=-1)
+    return h + apply_linear(F.silu(gate) * up, weights.down)
+
+
+def between_attentions(
+    h: torch.Tensor,
+    o: torch.Tensor,
+    done: LayerTensors,
+    following: LayerTensors,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+    dims: LayerDims,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """`after_attention` of one layer and `before_attention` of the next: the residual entering
+    the next layer and its q, k, v."""
+    h = after_attention(h, o, done, dims)
+    return h, *before_attention(h, following, cos, sin, dims)
