@@ -42,7 +42,7 @@ BENCH_METHODS := full;hf;speed:lcut=22,anchors=bos;pop:lcut=22;swiftkv:k=22;fast
 # Efficiency of every method at 1K-8K tokens on the embedded model (about an hour on 2 cores).
 bench: install
 	$(VENV)/bin/speedkv bench --methods "$(BENCH_METHODS)" --lengths 1024,2048,4096,8192 \
-		--max-new-tokens 128 --repeats 3 --out benchmarks/smollm2 --resume --readme benchmarks/README.md
+		--max-new-tokens 128 --repeats 3 --out benchmarks/smollm2 --resume --readme benchmarks/smollm2/README.md
 
 # Quality tables in docs/results.md: every method on needle, fidelity and sanity tasks at 2K and
 # 4K tokens (about 2.5 h of runs here). Resumable: rerun after an interruption to continue.

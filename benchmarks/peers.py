@@ -248,6 +248,29 @@ def tables(rows: list[dict], lengths: list[int]) -> str:
                 same.append(mine[0]["output_ids"] == reference[n])
         agree = f"{sum(same)}/{len(same)}" if same else "–"
         lines.append(f"| {engine} | `{method}` |" + "".join(cells) + f" {agree} |")
+    peer = next((e for e, _ in keys if e.startswith("vLLM") and e.endswith("default")), None)
+    if peer is not None:
+        lines += ["", f"Against {peer}, same run (medians of each; below 1 is faster):", ""]
+        lines += [
+            "| engine | method |" + "".join(f" TTFT {n} ratio | TPOT {n} ratio |" for n in lengths),
+            "|---|---|" + "---:|---:|" * len(lengths),
+        ]
+        for engine, method in keys:
+            if not engine.startswith("speedkv"):
+                continue
+            cells = ""
+            for n in lengths:
+                mine = [
+                    r for r in b1 if (r["engine"], r["method"], r["length"]) == (engine, method, n)
+                ]
+                theirs = [r for r in b1 if (r["engine"], r["length"]) == (peer, n)]
+                if not mine or not theirs:
+                    cells += " – | – |"
+                    continue
+                ttft = median(mine, "ttft_s") / median(theirs, "ttft_s")
+                tpot = median(mine, "tpot_s") / median(theirs, "tpot_s")
+                cells += f" {ttft:.2f} | {tpot:.2f} |"
+            lines.append(f"| {engine} | `{method}` |{cells}")
     batches = [r for r in rows if r["kind"] == "batch"]
     if batches:
         sizes = sorted({r["batch"] for r in batches})
@@ -265,6 +288,13 @@ def tables(rows: list[dict], lengths: list[int]) -> str:
                 cells += f" {decode or 0:.1f} | {e2e or 0:.1f} |" if mine else " – | – |"
             lines.append(f"| {engine} |{cells}")
     return "\n".join(lines) + "\n"
+
+
+def render(path: Path) -> None:
+    """Print the tables of an earlier run's results.json again."""
+    result = json.loads(path.read_text())
+    lengths = sorted({r["length"] for r in result["rows"] if r["kind"] == "batch1"})
+    print(tables(result["rows"], lengths))
 
 
 def main() -> None:
@@ -298,7 +328,10 @@ def main() -> None:
         "--gguf", default=".venv-llamacpp/smollm2-135m.bf16.gguf", help="the GGUF llama.cpp runs"
     )
     parser.add_argument("--out", type=Path, default=Path("benchmarks/peers"))
+    parser.add_argument("--render", type=Path, help="only print the tables of this results.json")
     args = parser.parse_args()
+    if args.render:
+        return render(args.render)
     torch.set_num_threads(args.threads)
     model = load_model("smollm2-135m", dtype=args.dtype, progress=False)
     engine = Engine(model)

@@ -142,7 +142,7 @@ def test_prepacked_decode_equals_plain_weights(family, dtype):
         return greedy_with_logits(engine, prompts[1], make_policy(spec, model.shape), 5)[1]
 
     plain, plain_rows = run(), [logits(s) for s in specs]
-    model.backbone.prepack_decode()
+    engine = Engine(model, prepack=True)
     packed_layer = model.backbone.decode_weights()[0]
     assert packed_layer is not None and packed_layer.qkv[0].is_mkldnn
     assert run() == plain

@@ -11,6 +11,8 @@ from dataclasses import dataclass
 
 import torch
 
+from speedkv.hf import fused
+from speedkv.hf.fused import can_prepack
 from speedkv.hf.loading import dtype_name
 
 
@@ -78,11 +80,16 @@ def measure_matmul(
 
 
 def measure_gemv(
-    device: torch.device, dtype: torch.dtype, int8: bool = False, megabytes: int = 256
+    device: torch.device,
+    dtype: torch.dtype,
+    int8: bool = False,
+    prepacked: bool = False,
+    megabytes: int = 256,
 ) -> float:
     """Weight bytes per second of one-row matrix products over weights far larger than any
     cache, in decoder-layer shapes: the rate a batch-1 decode step's weight reads can reach
-    with the kernels it runs (torch's int8 weight kernel for int8 weights on a CPU)."""
+    with the kernels it runs (torch's int8 weight kernel for int8 weights on a CPU, oneDNN's
+    for prepacked ones)."""
     rows, cols = 2048, 1024
     element = 1 if int8 else torch.empty((), dtype=dtype).element_size()
     count = max(1, megabytes * 2**20 // (rows * cols * element))
@@ -95,22 +102,24 @@ def measure_gemv(
             for w in mats:
                 torch.ops.aten._weight_int8pack_mm(x, w, scale)
     else:
-        mats = [torch.randn(rows, cols, device=device).to(dtype) for _ in range(count)]
+        mats = [(torch.randn(rows, cols, device=device).to(dtype), None) for _ in range(count)]
+        if prepacked and can_prepack(mats[0]):
+            mats = [fused.prepacked(w) for w in mats]
 
         def run() -> None:
             for w in mats:
-                torch.nn.functional.linear(x, w)
+                fused.apply_linear(x, w)
 
     return count * rows * cols * element / _best_time(run, device, repeats=5)
 
 
 def measure_limits(
-    device: torch.device, dtype: torch.dtype, int8_weights: bool = False
+    device: torch.device, dtype: torch.dtype, int8_weights: bool = False, prepacked: bool = False
 ) -> MachineLimits:
     return MachineLimits(
         bandwidth_bytes_s=measure_bandwidth(device),
         matmul_flops_s=measure_matmul(device, dtype),
         dtype=dtype_name(dtype),
         device=str(device),
-        gemv_bytes_s=measure_gemv(device, dtype, int8_weights),
+        gemv_bytes_s=measure_gemv(device, dtype, int8_weights, prepacked),
     )

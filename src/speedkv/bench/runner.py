@@ -177,7 +177,10 @@ class Bench:
         """Measured once per run, after the model is loaded, before the sweep."""
         if self._limits is None:
             self._limits = measure_limits(
-                self.engine.device, self.model.dtype, self.model.backbone.int8_weights
+                self.engine.device,
+                self.model.dtype,
+                self.model.backbone.int8_weights,
+                self.model.backbone.prepacked,
             )
         return self._limits
 

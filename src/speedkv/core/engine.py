@@ -138,8 +138,11 @@ class Engine:
         chunk_size: int = 1024,
         depth: int | None = None,
         prefix_cache: PrefixCache | None = None,
+        prepack: bool | None = None,
     ):
         self.model = model
+        if prepack is not None:  # decode on oneDNN-prepacked weights (docs/engine.md)
+            model.backbone.prepack_decode(prepack)
         # with a prefix cache, every prompt under a reusable method starts from the longest
         # cached prefix it extends, and leaves its own cache there (automatic prefix caching)
         self.prefix_cache = prefix_cache
