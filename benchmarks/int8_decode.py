@@ -1,7 +1,7 @@
 """Weight-only int8 against the model's native weights, in one process: TTFT and TPOT of the
 same prompts under each, alternating, so the ratios are same-run figures.
 
-    .venv/bin/python benchmarks/int8_decode.py --lengths 2048,4096 --repeats 3
+    .venv/bin/python benchmarks/int8_decode.py --lengths 2048,4096 --repeats 3 [--prepack]
 
 Prints a markdown table: medians per method, length and weights, and int8 / native ratios.
 """
@@ -23,9 +23,14 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--new-tokens", type=int, default=32)
     parser.add_argument("--dtype", default="bfloat16")
+    parser.add_argument("--prepack", action="store_true", help="native decodes prepacked")
     args = parser.parse_args()
     native = load_model("smollm2-135m", dtype=args.dtype, progress=False)
-    engines = {"native": Engine(native), "int8": Engine(quantize_int8(native))}
+    # --prepack: native weights decode through their oneDNN-prepacked copy, as the CLI does
+    engines = {
+        "native": Engine(native, prepack=args.prepack),
+        "int8": Engine(quantize_int8(native)),
+    }
     lengths = [int(n) for n in args.lengths.split(",")]
     methods = args.methods.split(";")
     sampling = SamplingParams(max_new_tokens=args.new_tokens, ignore_eos=True)
