@@ -12,7 +12,6 @@ from dataclasses import dataclass
 import torch
 
 from speedkv.hf import fused
-from speedkv.hf.fused import can_prepack
 from speedkv.hf.loading import dtype_name
 
 
@@ -94,21 +93,20 @@ def measure_gemv(
     element = 1 if int8 else torch.empty((), dtype=dtype).element_size()
     count = max(1, megabytes * 2**20 // (rows * cols * element))
     x = torch.randn(1, cols, device=device).to(dtype)
-    if int8 and device.type == "cpu":
+    if int8:  # as fused.apply_linear takes int8 layers: (rows, scale, bias)
         scale = torch.rand(rows, device=device).to(dtype) / 127
-        mats = [torch.randint(-127, 128, (rows, cols), dtype=torch.int8) for _ in range(count)]
-
-        def run() -> None:
-            for w in mats:
-                torch.ops.aten._weight_int8pack_mm(x, w, scale)
+        mats = [
+            (torch.randint(-127, 128, (rows, cols), dtype=torch.int8, device=device), scale, None)
+            for _ in range(count)
+        ]
     else:
         mats = [(torch.randn(rows, cols, device=device).to(dtype), None) for _ in range(count)]
-        if prepacked and can_prepack(mats[0]):
+        if prepacked and fused.can_prepack(mats[0]):
             mats = [fused.prepacked(w) for w in mats]
 
-        def run() -> None:
-            for w in mats:
-                fused.apply_linear(x, w)
+    def run() -> None:
+        for w in mats:
+            fused.apply_linear(x, w)
 
     return count * rows * cols * element / _best_time(run, device, repeats=5)
 

@@ -243,10 +243,10 @@ class Engine:
         plans = [decode_plan(p, self.depth) for p in policies]
         sources = {ki[0] for plan in plans for _, ki, _ in plan if ki is not None}
         saved: dict[int, torch.Tensor] = {}
-        q, k, v = bb.before_attention(0, h, cos, sin)  # [B, heads, 1, D]
         for layer in range(self.depth):
             if layer in sources:
                 saved[layer] = h
+            q, k, v = bb.before_attention(layer, h, cos, sin)  # [B, heads, 1, D]
             outs = []
             for b, plan in enumerate(plans):
                 owner, kv_input, keep = plan[layer]
@@ -265,10 +265,7 @@ class Engine:
                     kv.commit()
                 policies[b].after_decode(layer, q[b], kv)
             o = outs[0][None] if len(outs) == 1 else torch.stack(outs)
-            if layer + 1 < self.depth:  # this layer's MLP and the next one's q, k, v
-                h, q, k, v = bb.between_attentions(layer, h, o, cos, sin)
-            else:
-                h = bb.after_attention(layer, h, o)
+            h = bb.after_attention(layer, h, o)
         return bb.logits(bb.final_norm(h[:, -1]))
 
     # -- generation --------------------------------------------------------------------------

@@ -94,9 +94,13 @@ def shape_of(config) -> ModelShape:
     )
 
 
+def is_t5_style_norm(norm: nn.Module) -> bool:
+    return type(norm).__name__ in T5_STYLE_NORMS
+
+
 def rms_norm(norm: nn.Module, x: torch.Tensor) -> torch.Tensor:
     """`norm(x)`, through torch's fused kernel when `norm` is one of the families' RMSNorms."""
-    if type(norm).__name__ not in T5_STYLE_NORMS:
+    if not is_t5_style_norm(norm):
         return norm(x)
     return decode_layer.rms_norm(x, norm.weight, norm.variance_epsilon)
 
@@ -293,18 +297,6 @@ class Backbone:
             return self.mlp_block(layer, h + self.attn_out(layer, o))
         return decode_layer.after_attention(h, o, weights, self._dims)
 
-    def between_attentions(
-        self, layer: int, h: torch.Tensor, o: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
-    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-        """`after_attention` of `layer`, then `before_attention` of the next one: the residual
-        entering layer + 1 and its q, k, v."""
-        weights = self.decode_weights()
-        done, following = weights[layer], weights[layer + 1]
-        if done is None or following is None:
-            h = self.after_attention(layer, h, o)
-            return h, *self.before_attention(layer + 1, h, cos, sin)
-        return decode_layer.between_attentions(h, o, done, following, cos, sin, self._dims)
-
     def decode_weights(self) -> list[LayerTensors | None]:
         """Every layer's weights as plain tensors; None for a layer where some piece must run
         as the model's own module (an adapter wrapper, trainable weights, per-head q/k norms,
@@ -342,7 +334,7 @@ class Backbone:
         norms = (block.input_layernorm, block.post_attention_layernorm)
         if qkv.tensors is None or gate_up.tensors is None or o is None or down is None:
             return None
-        if any(type(n).__name__ not in T5_STYLE_NORMS for n in norms):
+        if not all(is_t5_style_norm(n) for n in norms):
             return None
         return LayerTensors(norms[0].weight, qkv.tensors, o, norms[1].weight, gate_up.tensors, down)
 
@@ -364,8 +356,7 @@ class Backbone:
         return fused
 
     def _heads(self, x: torch.Tensor) -> torch.Tensor:
-        # [..., n, heads*D] -> [..., heads, n, D]
-        return x.unflatten(-1, (-1, self.shape.head_dim)).transpose(-3, -2)
+        return decode_layer.heads(x, self.shape.head_dim)
 
     # -- the library's own computation, for reference checks and training ---------------------
     def hf_layer(

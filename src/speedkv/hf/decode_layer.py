@@ -92,18 +92,3 @@ def after_attention(
     x = rms_norm(h, weights.post_norm, dims.eps)
     gate, up = apply_linear(x, weights.gate_up).split(dims.intermediate, dim=-1)
     return h + apply_linear(F.silu(gate) * up, weights.down)
-
-
-def between_attentions(
-    h: torch.Tensor,
-    o: torch.Tensor,
-    done: LayerTensors,
-    following: LayerTensors,
-    cos: torch.Tensor,
-    sin: torch.Tensor,
-    dims: LayerDims,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """`after_attention` of one layer and `before_attention` of the next: the residual entering
-    the next layer and its q, k, v."""
-    h = after_attention(h, o, done, dims)
-    return h, *before_attention(h, following, cos, sin, dims)

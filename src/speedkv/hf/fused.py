@@ -2,9 +2,9 @@
 
 A decode step is a chain of matrix-vector products; on a CPU each call has a fixed cost on top
 of reading its weight, so three projections of one input cost more than one projection with
-their rows stacked. `fuse` stacks the weights once and points each original layer's weight at
-its slice of the stack, so memory does not grow and the model's own forward (used by the
-reference checks and training) computes exactly what it did before.
+their rows stacked. `FusedProjection` stacks the weights once and points each original layer's
+weight at its slice of the stack, so memory does not grow and the model's own forward (used by
+the reference checks and training) computes exactly what it did before.
 
 Only frozen layers of one kind are fused (plain `nn.Linear`, or `Int8Linear`): a layer wrapped
 by an adapter under training, or a weight that requires gradients, is run as it is, one call
@@ -85,20 +85,15 @@ def prepacked(tensors: tuple[torch.Tensor | None, ...]) -> tuple[torch.Tensor | 
 
 
 def _fuse(parts: list[nn.Module]) -> tuple[Projection, tuple | None]:
-    frozen = all(not p.requires_grad for m in parts for p in m.parameters())
-    with_bias = {getattr(m, "bias", None) is not None for m in parts}
-    if frozen and len(with_bias) == 1 and all(type(m) is nn.Linear for m in parts):
-        weight = _stack(parts, "weight")
-        bias = _stack(parts, "bias") if with_bias == {True} else None
-        return (lambda x: F.linear(x, weight, bias)), (weight, bias)
-    if frozen and len(with_bias) == 1 and all(type(m) is Int8Linear for m in parts):
-        fused = Int8Linear.from_rows(
-            _stack(parts, "qweight"),
-            _stack(parts, "scale"),
-            _stack(parts, "bias") if with_bias == {True} else None,
-        )
-        return fused, fused.tensors()
-    return (lambda x: torch.cat([m(x) for m in parts], dim=-1)), None
+    tensors = [linear_tensors(m) for m in parts]
+    # one kind of layer (plain or int8), all with a bias or none: stack; else one by one
+    kinds = {None if t is None else (len(t), t[-1] is None) for t in tensors}
+    if None in kinds or len(kinds) != 1:
+        return (lambda x: torch.cat([m(x) for m in parts], dim=-1)), None
+    names = ["weight"] if len(tensors[0]) == 2 else ["qweight", "scale"]
+    bias = None if tensors[0][-1] is None else _stack(parts, "bias")
+    fused = (*(_stack(parts, name) for name in names), bias)
+    return (lambda x: apply_linear(x, fused)), fused
 
 
 def _stack(parts: list[nn.Module], name: str) -> torch.Tensor:

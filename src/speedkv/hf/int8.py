@@ -43,22 +43,8 @@ class Int8Linear(nn.Module):
         self.bias = None if bias is None else nn.Parameter(bias.detach(), requires_grad=False)
         self.in_features, self.out_features = linear.in_features, linear.out_features
 
-    @classmethod
-    def from_rows(
-        cls, rows: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None = None
-    ) -> Int8Linear:
-        """A layer over int8 `rows` [out, in] and their per-row `scale` as they are (shared,
-        not copied)."""
-        layer = cls.__new__(cls)
-        nn.Module.__init__(layer)
-        layer.qweight = nn.Parameter(rows, requires_grad=False)
-        layer.scale = nn.Parameter(scale, requires_grad=False)
-        layer.bias = None if bias is None else nn.Parameter(bias, requires_grad=False)
-        layer.out_features, layer.in_features = rows.shape
-        return layer
-
     def dequantized(self, dtype: torch.dtype) -> torch.Tensor:
-        return self.qweight.to(dtype) * self.scale.to(dtype)[:, None]
+        return dequantize(self.qweight, self.scale, dtype)
 
     def tensors(self) -> tuple[torch.Tensor, ...]:
         """What `int8_linear` takes: (rows, scale, bias)."""
@@ -82,7 +68,12 @@ def int8_linear(
         out = torch.ops.aten._weight_int8pack_mm(flat.contiguous(), rows, scale)
         out = out.reshape(*x.shape[:-1], rows.shape[0])
         return out if bias is None else out + bias
-    return F.linear(x, rows.to(x.dtype) * scale.to(x.dtype)[:, None], bias)
+    return F.linear(x, dequantize(rows, scale, x.dtype), bias)
+
+
+def dequantize(rows: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """The weight int8 `rows` times their per-row `scale` stand for, in `dtype`."""
+    return rows.to(dtype) * scale.to(dtype)[:, None]
 
 
 def quantize_int8(loaded: LoadedModel) -> LoadedModel:
