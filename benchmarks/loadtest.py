@@ -1,6 +1,7 @@
 """Load test of `speedkv serve`: many concurrent streaming chat clients on loopback.
 
-For every method it starts a server twice, interleaved in one run so the ratio is measured
+For every method and backend (speedkv's own engine, or vLLM through `--backend vllm`, where
+`full` is stock vLLM) it starts a server twice, interleaved in one run so the ratio is measured
 under the same machine load: with a batch as large as the client count (continuous batching)
 and with --max-batch 1 (the same requests served one at a time). Each client streams one chat
 completion of essay text from the `calib` split, prompt lengths mixed; every response must be
@@ -10,6 +11,11 @@ TPOT percentiles, and the peak KV bytes the server held.
 
     .venv/bin/python benchmarks/loadtest.py --clients 32 --out runs/loadtest
     .venv/bin/python benchmarks/loadtest.py --clients 8 --lengths 64,128 --max-tokens 16  # quick
+    .venv-vllm/bin/python benchmarks/loadtest.py --backends speedkv,vllm --modes batched \
+        --methods "full;speed:lcut=22,anchors=bos" --out benchmarks/vllm/serving
+
+TTFT is measured by the client (request sent -> first content chunk), TPOT too (the rest of the
+response over its remaining tokens), so both backends are timed the same way.
 
 Results go to OUT/runs.jsonl (one line per server run; --resume skips runs already there),
 OUT/results.json and OUT/table.md.
@@ -20,7 +26,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
-import gc
 import json
 import os
 import signal
@@ -52,6 +57,7 @@ class ClientResult:
 
 @dataclass
 class RunResult:
+    backend: str  # "speedkv" or "vllm"
     method: str
     mode: str  # "batched" or "one-at-a-time"
     max_batch: int
@@ -68,6 +74,7 @@ class RunResult:
     tpot_p90_s: float
     peak_kv_bytes: int
     peak_running: int
+    peak_kv_usage: float  # vLLM: the largest share of its KV pool in use (0 for speedkv)
     kv_bytes_after: int
     error_samples: list[str] = field(default_factory=list)
 
@@ -75,11 +82,10 @@ class RunResult:
 # -- prompts -------------------------------------------------------------------------------
 def build_prompts(model: str, lengths: list[int], clients: int) -> list[str]:
     """Essay passages from the calib split, cycling through `lengths` (in tokens)."""
-    from speedkv.haystack import haystack_text
-    from speedkv.models import load_model
+    from speedkv.hf.loading import load_tokenizer, model_directory
+    from speedkv.prompts.haystack import haystack_text
 
-    tokenizer = load_model(model, dtype="bfloat16", device="cpu", progress=False).tokenizer
-    gc.collect()  # the weights were only loaded for the tokenizer
+    tokenizer = load_tokenizer(model_directory(model, progress=False))
     prompts = []
     for i in range(clients):
         body = max(16, lengths[i % len(lengths)] - TEMPLATE_OVERHEAD)
@@ -97,25 +103,30 @@ def free_port() -> int:
 class Server:
     """`speedkv serve` in a subprocess on a free loopback port."""
 
-    def __init__(self, args, method: str, max_batch: int):
+    def __init__(self, args, method: str, max_batch: int, backend: str):
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         command = [
-            sys.executable, "-m", "speedkv.cli", "serve",
+            sys.executable, "-m", "speedkv.cli.app", "serve",
             "--model", args.model,
             "--method", method,
-            "--fixed-method",
             "--port", str(self.port),
-            "--max-batch", str(max_batch),
-            "--max-queue", str(args.clients + 8),
             "--dtype", args.dtype,
-            "--log-level", "warning",
+            "--backend", backend,
         ]  # fmt: skip
-        if args.threads:
-            command += ["--threads", str(args.threads)]
-        self.process = subprocess.Popen(command, stdout=subprocess.DEVNULL)
+        env = dict(os.environ)
+        if backend == "vllm":
+            command += [f"--vllm-arg=--max-num-seqs={max_batch}", "--vllm-arg=--max-model-len=4096"]
+            env.setdefault("VLLM_CPU_KVCACHE_SPACE", "2")  # GiB; vLLM wants 0.9 of RAM otherwise
+            env.setdefault("VLLM_CPU_OMP_THREADS_BIND", args.vllm_cpus)
+        else:
+            command += ["--fixed-method", "--max-batch", str(max_batch), "--max-queue",
+                        str(args.clients + 8), "--log-level", "warning"]  # fmt: skip
+            if args.threads:
+                command += ["--threads", str(args.threads)]
+        self.process = subprocess.Popen(command, stdout=subprocess.DEVNULL, env=env)
 
-    def wait_ready(self, timeout: float = 300.0) -> None:
+    def wait_ready(self, timeout: float = 600.0) -> None:
         deadline = time.time() + timeout
         while time.time() < deadline:
             if self.process.poll() is not None:
@@ -167,10 +178,11 @@ async def stream_one(client: httpx.AsyncClient, url: str, body: dict) -> ClientR
                         result.ttft_s = time.perf_counter() - start
                     if choice.get("finish_reason"):
                         result.finish_reason = choice["finish_reason"]
-                        result.tpot_s = chunk.get("speedkv", {}).get("tpot_s")
     except (httpx.HTTPError, json.JSONDecodeError, KeyError) as err:
         result.error = f"{type(err).__name__}: {err}"
     result.total_s = time.perf_counter() - start
+    if result.ttft_s is not None and result.completion_tokens > 1:
+        result.tpot_s = (result.total_s - result.ttft_s) / (result.completion_tokens - 1)
     return result
 
 
@@ -181,8 +193,11 @@ async def watch_metrics(url: str, peaks: dict, stop: asyncio.Event) -> None:
             try:
                 values = parse_metrics((await client.get(f"{url}/metrics")).text)
                 peaks["kv"] = max(peaks["kv"], int(values.get("speedkv_kv_cache_bytes", 0)))
-                running = int(values.get("speedkv_requests_running", 0))
+                running = int(values.get("speedkv_requests_running",
+                                         values.get("vllm:num_requests_running", 0)))  # fmt: skip
                 peaks["running"] = max(peaks["running"], running)
+                usage = values.get("vllm:kv_cache_usage_perc", 0.0)  # vLLM: share of its pool
+                peaks["kv_usage"] = max(peaks["kv_usage"], usage)
             except httpx.HTTPError:
                 pass
             with contextlib.suppress(asyncio.TimeoutError):
@@ -192,13 +207,17 @@ async def watch_metrics(url: str, peaks: dict, stop: asyncio.Event) -> None:
 def parse_metrics(text: str) -> dict[str, float]:
     values = {}
     for line in text.splitlines():
-        if line and not line.startswith("#") and "{" not in line:
-            name, _, value = line.partition(" ")
-            values[name] = float(value)
+        if line and not line.startswith("#"):
+            name, _, value = line.rpartition(" ")
+            values.setdefault(name.partition("{")[0], float(value))  # vLLM labels its series
     return values
 
 
-async def run_clients(args, url: str, prompts: list[str]) -> tuple[list[ClientResult], float, dict]:
+async def run_clients(
+    args, url: str, prompts: list[str], backend: str
+) -> tuple[list[ClientResult], float, dict]:
+    # every response has exactly max_tokens tokens: EOS is ignored (each server's own field)
+    ignore_eos = {"ignore_eos": True} if backend == "vllm" else {"speedkv": {"ignore_eos": True}}
     bodies = [
         {
             "model": args.model,
@@ -207,11 +226,11 @@ async def run_clients(args, url: str, prompts: list[str]) -> tuple[list[ClientRe
             "temperature": 0,
             "stream": True,
             "stream_options": {"include_usage": True},
-            "speedkv": {"ignore_eos": True},  # every response has exactly max_tokens tokens
+            **ignore_eos,
         }
         for prompt in prompts
     ]
-    peaks = {"kv": 0, "running": 0}
+    peaks = {"kv": 0, "running": 0, "kv_usage": 0.0}
     stop = asyncio.Event()
     watcher = asyncio.create_task(watch_metrics(url, peaks, stop))
     limits = httpx.Limits(max_connections=len(bodies) + 4)
@@ -241,10 +260,11 @@ def percentile(values: list[float], q: float) -> float:
     return statistics.quantiles(values, n=100, method="inclusive")[round(q * 100) - 1]
 
 
-def measure(args, method: str, mode: str, prompts: list[str]) -> RunResult:
+def measure(args, method: str, mode: str, prompts: list[str], backend: str) -> RunResult:
     max_batch = len(prompts) if mode == "batched" else 1
-    print(f"[loadtest] {method}, {mode} (max batch {max_batch})", file=sys.stderr, flush=True)
-    server = Server(args, method, max_batch)
+    print(f"[loadtest] {backend} {method}, {mode} (max batch {max_batch})", file=sys.stderr,
+          flush=True)  # fmt: skip
+    server = Server(args, method, max_batch, backend)
     try:
         server.wait_ready()
         warm = {
@@ -253,7 +273,7 @@ def measure(args, method: str, mode: str, prompts: list[str]) -> RunResult:
             "max_tokens": 4,
         }
         httpx.post(f"{server.url}/v1/chat/completions", json=warm, timeout=300).raise_for_status()
-        results, wall, peaks = asyncio.run(run_clients(args, server.url, prompts))
+        results, wall, peaks = asyncio.run(run_clients(args, server.url, prompts, backend))
         time.sleep(0.5)  # the last sequence leaves the batch at the step after its last token
         after = parse_metrics(httpx.get(f"{server.url}/metrics").text)
     finally:
@@ -271,6 +291,7 @@ def measure(args, method: str, mode: str, prompts: list[str]) -> RunResult:
     ttfts = [r.ttft_s for r in results if r.ttft_s is not None]
     tpots = [r.tpot_s for r in results if r.tpot_s is not None]
     return RunResult(
+        backend=backend,
         method=method,
         mode=mode,
         max_batch=max_batch,
@@ -287,50 +308,63 @@ def measure(args, method: str, mode: str, prompts: list[str]) -> RunResult:
         tpot_p90_s=percentile(tpots, 0.9),
         peak_kv_bytes=peaks["kv"],
         peak_running=peaks["running"],
+        peak_kv_usage=peaks["kv_usage"],
         kv_bytes_after=int(after.get("speedkv_kv_cache_bytes", -1)),
         error_samples=errors[:3],
     )
 
 
 # -- report --------------------------------------------------------------------------------
+def label(run: dict) -> str:
+    """How a table names a server: its method, and the backend unless it is speedkv's own."""
+    backend = run.get("backend", "speedkv")
+    return run["method"] if backend == "speedkv" else f"{run['method']} (vLLM)"
+
+
 def speedups(runs: list[dict]) -> dict[str, float]:
-    by = {(r["method"], r["mode"]): r for r in runs}
+    by = {(label(r), r["mode"]): r for r in runs}
     out = {}
-    for method in dict.fromkeys(r["method"] for r in runs):
-        batched, alone = by.get((method, "batched")), by.get((method, "one-at-a-time"))
+    for name in dict.fromkeys(label(r) for r in runs):
+        batched, alone = by.get((name, "batched")), by.get((name, "one-at-a-time"))
         if batched and alone and alone["tokens_per_s"] > 0:
-            out[method] = batched["tokens_per_s"] / alone["tokens_per_s"]
+            out[name] = batched["tokens_per_s"] / alone["tokens_per_s"]
     return out
 
 
 def markdown(runs: list[dict], gains: dict[str, float]) -> str:
     lines = [
         "| method | mode | clients | tokens | wall s | tokens/s | errors | complete "
-        "| TTFT p50 / p90 s | TPOT p50 / p90 ms | peak KV MiB | KV after |",
+        "| TTFT p50 / p90 s | TPOT p50 / p90 ms | peak KV | KV after |",
         "|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in runs:
+        if r.get("backend", "speedkv") == "vllm":  # vLLM reports a share of its block pool
+            peak, after = f"{r.get('peak_kv_usage', 0) * 100:.0f} % of pool", "-"
+        else:
+            peak, after = f"{r['peak_kv_bytes'] / 2**20:.1f} MiB", str(r["kv_bytes_after"])
         lines.append(
-            f"| `{r['method']}` | {r['mode']} | {r['clients']} | {r['tokens']} "
+            f"| `{label(r)}` | {r['mode']} | {r['clients']} | {r['tokens']} "
             f"| {r['wall_s']:.1f} | {r['tokens_per_s']:.1f} | {r['errors']} "
             f"| {r['complete']}/{r['clients']} "
             f"| {r['ttft_p50_s']:.2f} / {r['ttft_p90_s']:.2f} "
             f"| {r['tpot_p50_s'] * 1000:.0f} / {r['tpot_p90_s'] * 1000:.0f} "
-            f"| {r['peak_kv_bytes'] / 2**20:.1f} | {r['kv_bytes_after']} |"
+            f"| {peak} | {after} |"
         )
     lines.append("")
     for method, gain in gains.items():
         lines.append(f"- batching speed-up for `{method}`: {gain:.2f}x tokens/s")
-    by = {(r["method"], r["mode"]): r for r in runs}
-    full, others = by.get(("full", "batched")), [m for m in gains if m != "full"]
-    for method in others:
-        run = by.get((method, "batched"))
-        if full and run and full["tokens_per_s"] > 0:
-            speed = run["tokens_per_s"] / full["tokens_per_s"]
-            memory = run["peak_kv_bytes"] / max(1, full["peak_kv_bytes"])
-            lines.append(
-                f"- `{method}` vs `full`, batched: {speed:.2f}x tokens/s, {memory:.2f}x peak KV"
-            )
+    batched = {
+        (r.get("backend", "speedkv"), r["method"]): r for r in runs if r["mode"] == "batched"
+    }
+    for (backend, method), run in batched.items():
+        full = batched.get((backend, "full"))
+        if method == "full" or not full or full["tokens_per_s"] <= 0:
+            continue
+        speed = run["tokens_per_s"] / full["tokens_per_s"]
+        line = f"- `{label(run)}` vs `{label(full)}`: {speed:.2f}x tokens/s"
+        if backend == "speedkv":
+            line += f", {run['peak_kv_bytes'] / max(1, full['peak_kv_bytes']):.2f}x peak KV"
+        lines.append(line)
     return "\n".join(lines) + "\n"
 
 
@@ -352,6 +386,17 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         default="batched,one-at-a-time",
         help="batched (max batch = clients) and/or one-at-a-time (max batch 1).",
     )
+    parser.add_argument(
+        "--backends",
+        default="speedkv",
+        help="speedkv and/or vllm (`speedkv serve --backend vllm`; needs vLLM installed).",
+    )
+    parser.add_argument(
+        "--vllm-cpus",
+        default="0-1",
+        help="VLLM_CPU_OMP_THREADS_BIND for vLLM's worker (vLLM's own default, auto, keeps one "
+        "core for its engine process: one thread on a 2-core machine).",
+    )
     parser.add_argument("--dtype", default="auto", help="auto, float32 or bfloat16.")
     parser.add_argument("--threads", type=int, default=None, help="Server torch threads.")
     parser.add_argument(
@@ -367,6 +412,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     args.methods = [m.strip() for m in args.methods.split(";") if m.strip()]
     args.lengths = [int(x) for x in args.lengths.split(",") if x.strip()]
     args.modes = [m.strip() for m in args.modes.split(",") if m.strip()]
+    args.backends = [b.strip() for b in args.backends.split(",") if b.strip()]
+    if not set(args.backends) <= {"speedkv", "vllm"}:
+        parser.error("backends are 'speedkv' and 'vllm'")
     if args.clients < 1 or args.max_tokens < 1 or not args.methods or not args.lengths:
         parser.error("clients, max-tokens, methods and lengths must be non-empty and positive")
     if any(n < 16 for n in args.lengths):
@@ -387,6 +435,7 @@ def main(argv: list[str] | None = None) -> None:
         "max_tokens": args.max_tokens,
         "dtype": args.dtype,
         "threads": args.threads,
+        "vllm_cpus": args.vllm_cpus if "vllm" in args.backends else None,
     }
     runs = []
     if args.resume and log_path.exists():
@@ -394,19 +443,23 @@ def main(argv: list[str] | None = None) -> None:
         runs = [r for r in runs if r.get("settings") == settings]
     elif log_path.exists():
         log_path.unlink()
-    done = {(r["method"], r["mode"]) for r in runs}
-    todo = [(m, mode) for m in args.methods for mode in args.modes if (m, mode) not in done]
+    wanted = [(b, m, mode) for m in args.methods for b in args.backends for mode in args.modes]
+    done = {(r.get("backend", "speedkv"), r["method"], r["mode"]) for r in runs}
+    todo = [key for key in wanted if key not in done]
     if todo:
         prompts = build_prompts(args.model, args.lengths, args.clients)
-        for method, mode in todo:
-            record = {**asdict(measure(args, method, mode, prompts)), "settings": settings}
+        for backend, method, mode in todo:
+            record = {**asdict(measure(args, method, mode, prompts, backend)),
+                      "settings": settings}  # fmt: skip
             runs.append(record)
             with log_path.open("a") as log:
                 log.write(json.dumps(record) + "\n")
-    order = {(m, mode): i for i, (m, mode) in enumerate(
-        (m, mode) for m in args.methods for mode in args.modes)}  # fmt: skip
-    runs = sorted((r for r in runs if (r["method"], r["mode"]) in order),
-                  key=lambda r: order[(r["method"], r["mode"])])  # fmt: skip
+    order = {key: i for i, key in enumerate(wanted)}
+
+    def key(run: dict) -> tuple:
+        return run.get("backend", "speedkv"), run["method"], run["mode"]
+
+    runs = sorted((r for r in runs if key(r) in order), key=lambda r: order[key(r)])
     gains = speedups(runs)
     result = {
         "settings": settings,

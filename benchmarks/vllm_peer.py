@@ -154,6 +154,13 @@ def parse_args(argv=None) -> argparse.Namespace:
         help="Weight/activation dtype (KV cache uses the same).",
     )
     p.add_argument(
+        "--hf-overrides",
+        default=None,
+        metavar="JSON",
+        help="vLLM hf_overrides, e.g. the SPEED architecture and its settings from "
+        "speedkv.vllm.engine_args (speedkv's plugin must be installed in this venv).",
+    )
+    p.add_argument(
         "--mode",
         choices=["default", "eager"],
         default="default",
@@ -472,6 +479,10 @@ def _worker_probe(worker):
 # --------------------------------------------------------------------------- main
 
 
+def _upper_rows(worker):
+    return getattr(worker.model_runner.model, "upper_rows", None)
+
+
 def median(xs):
     xs = [x for x in xs if x is not None]
     return statistics.median(xs) if xs else None
@@ -558,6 +569,8 @@ def main(argv=None) -> int:
     )
     if args.max_num_batched_tokens:
         llm_kwargs["max_num_batched_tokens"] = args.max_num_batched_tokens
+    if args.hf_overrides:
+        llm_kwargs["hf_overrides"] = json.loads(args.hf_overrides)
     t0 = time.perf_counter()
     llm = LLM(**llm_kwargs)
     init_s = time.perf_counter() - t0
@@ -728,6 +741,9 @@ def main(argv=None) -> int:
         "repeats": args.repeats,
         "warmup": args.warmup,
         "jobs": results,
+        "hf_overrides": llm_kwargs.get("hf_overrides"),
+        # rows the SPEED model sent through its upper layers over the whole run (None: stock)
+        "upper_rows": llm.collective_rpc(_upper_rows)[0],
     }
     text = json.dumps(out, indent=1)
     if args.out == "-":

@@ -130,3 +130,26 @@ def read_prompt_lines(path: Path) -> list[str]:
     """The non-blank lines of a UTF-8 text file, one prompt each."""
     text = read_text_file(path, "prompt file", empty="has no prompts (one per line)")
     return [line.strip() for line in text.splitlines() if line.strip()]
+
+
+def vllm_model(model: str, method: str, adapter: Path | None) -> Path:
+    """The HF directory vLLM loads for `--backend vllm`, once the method is known to run
+    there: the model's own, or a copy with the adapter merged into its weights."""
+    from speedkv.hf.adapters import merged_directory
+    from speedkv.hf.loading import model_directory
+    from speedkv.vllm.args import engine_args, require_vllm
+
+    require_vllm()
+    directory = model_directory(model)
+    engine_args(method, directory)  # refuses what vLLM cannot run before anything starts
+    if adapter is None:
+        return directory
+    log(f"merging {adapter} into {model} for vLLM (once; cached)")
+    return merged_directory(model, adapter)
+
+
+def vllm_dtype(dtype: str) -> str:
+    """speedkv's dtype choice as vLLM's: auto resolves the way speedkv's does."""
+    from speedkv.hf.loading import dtype_name, resolve_device, resolve_dtype
+
+    return dtype_name(resolve_dtype(dtype, resolve_device("auto")))

@@ -3,15 +3,17 @@
 from __future__ import annotations
 
 import json
+from pathlib import Path
 from typing import Annotated
 
 import typer
 
-from speedkv.cli.common import bind, load, read_prompt, set_threads
+from speedkv.cli.common import bind, load, read_prompt, set_threads, vllm_dtype, vllm_model
 from speedkv.cli.options import (
     METHOD_HELP,
     Adapter,
     AsJson,
+    Backend,
     Device,
     Dtype,
     LoadFile,
@@ -27,6 +29,7 @@ from speedkv.cli.options import (
 )
 from speedkv.cli.prefix import continue_saved
 from speedkv.core.registry import MethodSpec, parse_spec
+from speedkv.errors import UserError
 from speedkv.log import log
 
 commands = typer.Typer()
@@ -66,10 +69,12 @@ def generate(
     prepack: Prepack = True,
     device: Device = "auto",
     threads: Threads = 0,
+    backend: Backend = "speedkv",
     as_json: AsJson = False,
 ) -> None:
     """Generate a continuation of one prompt, streaming the text as it is produced. With
-    --load, the prompt continues a cache saved by `speedkv prefill`."""
+    --load, the prompt continues a cache saved by `speedkv prefill`. With --backend vllm, vLLM
+    runs it (full or speed), and the text comes at the end."""
     from speedkv.bench.memory import peak_rss_bytes, reset_peak_rss
     from speedkv.core.engine import Engine
     from speedkv.core.sampling import SamplingParams
@@ -83,6 +88,13 @@ def generate(
         seed=seed,
         stop=tuple(stop or ()),
     ).validate()
+    if backend == "vllm":
+        if load_file is not None or weights != "native":
+            raise UserError(
+                "--load and --weights are speedkv's own engine's; drop them with --backend vllm"
+            )
+        generate_on_vllm(text, model, method, raw, sampling, adapter, dtype, as_json)
+        return
     set_threads(threads)
     loaded = load(model, dtype, device, adapter, weights, prepack)
     engine = Engine(loaded)
@@ -132,6 +144,45 @@ def generate(
             f"KV {result.kv_bytes / 2**20:.2f} MiB at first token, "
             f"{result.kv_bytes_final / 2**20:.2f} MiB at end, peak RSS {peak / 2**30:.2f} GiB"
         )
+
+
+def generate_on_vllm(
+    text: str,
+    model: str,
+    method: MethodSpec | None,
+    raw: bool,
+    sampling,
+    adapter: Path | None,
+    dtype: str,
+    as_json: bool,
+) -> None:
+    """`speedkv generate --backend vllm`: the same prompt ids and record, from vLLM."""
+    from speedkv.bench.memory import peak_rss_bytes
+    from speedkv.hf.loading import load_tokenizer
+    from speedkv.hf.text import encode_prompt
+    from speedkv.vllm.offline import VllmEngine, cpu_kv_space, quiet_vllm_logs
+
+    spec = str(method or "full")
+    directory = vllm_model(model, spec, adapter)
+    quiet_vllm_logs()
+    cpu_kv_space(1)  # GiB: room for one request
+    ids = encode_prompt(load_tokenizer(directory), text, chat=not raw).ids
+    log(f"starting vLLM on {directory.name}, method {spec}")
+    engine = VllmEngine.open(directory, spec, dtype=vllm_dtype(dtype))
+    log(f"{len(ids)} prompt tokens, method {spec}, {engine.dtype_name}, backend vllm")
+    record = engine.generate([ids], sampling)[0]
+    peak = peak_rss_bytes()
+    if as_json:
+        print(json.dumps({"model": model, "dtype": engine.dtype_name, **record,
+                          "peak_rss_bytes": peak}))  # fmt: skip
+        return
+    print(record["text"])
+    log(
+        f"{len(record['output_ids'])} tokens ({record['finish_reason']}); "
+        f"TTFT {record['ttft_s']:.3f} s, TPOT {record['tpot_s'] * 1000:.1f} ms, "
+        f"KV blocks {record['kv_bytes'] / 2**20:.2f} MiB at first token "
+        f"(this process's peak RSS {peak / 2**30:.2f} GiB)"
+    )
 
 
 @commands.command()

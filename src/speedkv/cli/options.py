@@ -114,6 +114,15 @@ def parse_weights(text: str) -> str:
     return check_weights(text)
 
 
+BACKENDS = ("speedkv", "vllm")
+
+
+def parse_backend(text: str) -> str:
+    if text not in BACKENDS:
+        raise UserError(f"backend must be {' or '.join(BACKENDS)}, got '{text}'")
+    return text
+
+
 def parse_device(text: str) -> str:
     import torch
 
@@ -190,6 +199,16 @@ Prepack = Annotated[
         help="Decode with the linear weights prepacked for oneDNN (CPU, float32 or bfloat16): "
         "matrix-vector products about 1.8x faster here, for a second copy of those weights in "
         "memory (docs/engine.md).",
+    ),
+]
+Backend = Annotated[
+    str,
+    parsed_option(
+        "--backend",
+        parse=parse_backend,
+        metavar="ENGINE",
+        help="speedkv: speedkv's own engine (every method); vllm: vLLM with speedkv's SPEED "
+        "plugin (full and speed; needs vLLM installed: make vllm-venv; docs/vllm.md).",
     ),
 ]
 Dtype = Annotated[

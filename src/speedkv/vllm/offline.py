@@ -1,0 +1,140 @@
+"""speedkv's `generate` and `bench` on vLLM's offline engine (`vllm.LLM`).
+
+One engine per model, method and dtype; requests go in as token ids (the prompt speedkv's own
+engine would see), and each comes back as the record `speedkv generate --json` prints.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from speedkv.core.sampling import SamplingParams
+from speedkv.hf.backbone import ModelShape
+from speedkv.vllm.args import engine_args, model_shape, require_vllm
+from speedkv.vllm.compact import full_depth_count
+from speedkv.vllm.settings import SpeedSettings
+
+
+def cpu_kv_space(gib: int) -> None:
+    """The KV pool of vLLM's CPU build, in GiB, unless the user set it: left alone it sizes
+    the pool from a share of all RAM and takes minutes to start on a small machine."""
+    os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", str(gib))
+
+
+def quiet_vllm_logs(level: str = "WARNING") -> None:
+    """vLLM's log lines on stderr and at `level`, unless the user set them: stdout carries
+    speedkv's own output (--json). Call before vLLM is imported."""
+    os.environ.setdefault("VLLM_LOGGING_STREAM", "ext://sys.stderr")
+    os.environ.setdefault("VLLM_LOGGING_LEVEL", level)
+
+
+@dataclass
+class VllmEngine:
+    """A vLLM engine running one method on one model directory."""
+
+    llm: Any
+    directory: Path
+    method: str
+    shape: ModelShape
+    kv_bytes_per_token_layer: int
+    block_size: int
+    speed: SpeedSettings | None  # None: stock vLLM
+
+    @classmethod
+    def open(cls, directory: str | Path, method: str, dtype: str = "auto",
+             **llm_args: Any) -> VllmEngine:  # fmt: skip
+        require_vllm()
+        import torch
+        from vllm import LLM
+
+        directory = Path(directory)
+        shape = model_shape(directory)
+        args = {**engine_args(method, directory), **llm_args}
+        llm = LLM(model=str(directory), dtype=dtype, disable_log_stats=False, **args)
+        config = llm.llm_engine.vllm_config
+        kv_dtype = config.model_config.dtype
+        return cls(
+            llm=llm,
+            directory=directory,
+            method=method,
+            shape=shape,
+            kv_bytes_per_token_layer=shape.kv_bytes_per_token_layer(
+                kv_dtype if isinstance(kv_dtype, torch.dtype) else torch.float32
+            ),
+            block_size=config.cache_config.block_size,
+            speed=SpeedSettings.from_overrides(args.get("hf_overrides")),
+        )
+
+    @property
+    def dtype_name(self) -> str:
+        return str(self.llm.llm_engine.vllm_config.model_config.dtype).removeprefix("torch.")
+
+    def generate(self, prompts: list[list[int]], sampling: SamplingParams) -> list[dict]:
+        """One record per prompt, in order, with the fields of `speedkv generate --json`."""
+        from vllm import SamplingParams as VllmSampling
+
+        params = VllmSampling(
+            max_tokens=sampling.max_new_tokens,
+            temperature=sampling.temperature,
+            top_k=sampling.top_k if sampling.top_k > 0 else -1,
+            top_p=sampling.top_p,
+            seed=sampling.seed,
+            stop=list(sampling.stop) or None,
+            ignore_eos=sampling.ignore_eos,
+            min_tokens=sampling.min_new_tokens,
+            repetition_penalty=sampling.repetition_penalty,
+        )
+        outputs = self.llm.generate(
+            [{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False
+        )
+        return [self._record(o) for o in outputs]
+
+    def _record(self, output) -> dict:
+        completion = output.outputs[0]
+        stats = output.metrics
+        new = len(completion.token_ids)
+        ttft = float(stats.first_token_latency) if stats else math.nan
+        tpot = 0.0
+        if stats and new > 1:
+            tpot = (stats.last_token_ts - stats.first_token_ts) / (new - 1)
+        prompt = len(output.prompt_token_ids)
+        return {
+            "backend": "vllm",
+            "method": self.method,
+            "prompt_ids": list(output.prompt_token_ids),
+            "output_ids": list(completion.token_ids),
+            "text": completion.text,
+            "finish_reason": completion.finish_reason,
+            "ttft_s": ttft,
+            "tpot_s": tpot,
+            "kv_bytes": self.block_bytes(prompt + 1, prompt),
+            "kv_bytes_final": self.block_bytes(prompt + new, prompt),
+            "kv_allocated_bytes": self.block_bytes(prompt + new, prompt),
+            "layer_lengths": self.layer_lengths(prompt),
+            "reused_tokens": int(getattr(output, "num_cached_tokens", 0) or 0),
+        }
+
+    def layer_lengths(self, prompt: int) -> list[int]:
+        """K/V rows each layer holds when the first new token is produced."""
+        layers = self.shape.num_layers
+        if self.speed is None:
+            return [prompt] * layers
+        upper = full_depth_count(prompt, prompt, self.speed.anchors, self.speed.deep)
+        return [prompt] * self.speed.lcut + [upper] * (layers - self.speed.lcut)
+
+    def block_bytes(self, tokens: int, prompt: int) -> int:
+        """Bytes of the KV blocks vLLM's pool holds for a request of `tokens` tokens: the
+        lower layers' groups a block per `block_size` tokens, the upper layers' groups (SPEED)
+        one per `block_size` full-depth rows, every group as wide as vLLM makes it (padding
+        included)."""
+        layers = self.shape.num_layers
+        width, lower, upper = self.speed.kv_groups(layers) if self.speed else (layers, 1, 0)
+        blocks = lower * math.ceil(tokens / self.block_size)
+        if upper:
+            rows = full_depth_count(tokens, prompt, self.speed.anchors, self.speed.deep)
+            blocks += upper * math.ceil(rows / self.block_size)
+        return blocks * self.block_size * width * self.kv_bytes_per_token_layer

@@ -1,0 +1,24 @@
+"""The entry point vLLM calls in each of its processes (`vllm.general_plugins`).
+
+It registers the SPEED architectures under new names: stock Llama and Qwen2 stay as they are, and
+a user picks SPEED per model through `hf_overrides` (see `engine_args`); and it makes vLLM refuse
+requests SPEED cannot answer (`guards.py`). Idempotent: vLLM may call it more than once per
+process.
+"""
+
+from __future__ import annotations
+
+from speedkv.vllm.settings import ARCHITECTURES
+
+
+def register() -> None:
+    from vllm import ModelRegistry
+
+    known = set(ModelRegistry.get_supported_archs())
+    for arch in ARCHITECTURES.values():
+        if arch not in known:
+            # a "module:Class" string: vLLM imports it only where the model is built
+            ModelRegistry.register_model(arch, f"speedkv.vllm.models:{arch}")
+    from speedkv.vllm.guards import install_request_guard
+
+    install_request_guard()  # refuse what SPEED cannot answer (prompt logprobs)

@@ -1,0 +1,84 @@
+"""SPEED's settings as vLLM carries them: flat `speedkv_*` keys on the model's HF config.
+
+`hf_overrides` puts them there in the front end; vLLM ships that config to the engine core and
+the workers, so every process reads the same rule.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from types import SimpleNamespace
+from typing import Any
+
+# vLLM architecture name of each model type the plugin runs
+ARCHITECTURES = {"llama": "SpeedLlamaForCausalLM", "qwen2": "SpeedQwen2ForCausalLM"}
+
+
+@dataclass(frozen=True)
+class SpeedSettings:
+    lcut: int  # layers every prompt token runs
+    anchors: int  # leading positions kept at full depth
+    deep: int  # last prompt tokens kept at full depth
+    # the upper layers hold blocks for their full-depth rows only (kv_spec.py); False keeps
+    # vLLM's stock allocation: every layer holds blocks for every token
+    compact_kv: bool = True
+
+    def hf_overrides(self, model_type: str) -> dict[str, Any]:
+        return {
+            "architectures": [ARCHITECTURES[model_type]],
+            "speedkv_lcut": self.lcut,
+            "speedkv_anchors": self.anchors,
+            "speedkv_deep": self.deep,
+            "speedkv_compact_kv": self.compact_kv,
+        }
+
+    def kv_groups(self, layers: int) -> tuple[int, int, int]:
+        """(layers per group, lower groups, upper groups): how vLLM 0.32 splits the layers into
+        KV cache groups of one shared block pool when the upper layers have their own spec.
+        Groups hold equal layer counts, the smaller type's count (or the larger one's when the
+        two are within 1.5x), and the last group of a type is padded; padding costs memory."""
+        lower, upper = self.lcut, layers - self.lcut
+        if not (self.compact_kv and lower and upper):
+            return layers, 1, 0  # one group: the stock layout
+        size = min(lower, upper)
+        if max(lower, upper) < 1.5 * size:
+            size = max(lower, upper)
+        return size, -(-lower // size), -(-upper // size)
+
+    def padded_layers(self, layers: int) -> int:
+        """Layer slots vLLM's grouping pads (memory reserved for no layer)."""
+        size, lower, upper = self.kv_groups(layers)
+        return size * (lower + upper) - layers if upper else 0
+
+    @classmethod
+    def from_overrides(cls, overrides: dict[str, Any] | None) -> SpeedSettings | None:
+        """The settings in a set of hf_overrides; None when they select no SPEED model."""
+        if not overrides or "speedkv_lcut" not in overrides:
+            return None
+        return cls.from_hf_config(SimpleNamespace(**overrides))
+
+    @classmethod
+    def from_hf_config(cls, config: Any) -> SpeedSettings:
+        missing = [
+            k
+            for k in ("speedkv_lcut", "speedkv_anchors", "speedkv_deep")
+            if getattr(config, k, None) is None
+        ]
+        if missing:
+            raise ValueError(
+                f"a SPEED architecture needs {', '.join(missing)} in hf_overrides; build the "
+                "engine arguments with speedkv.vllm.engine_args(method, model)"
+            )
+        return cls(
+            int(config.speedkv_lcut),
+            int(config.speedkv_anchors),
+            int(config.speedkv_deep),
+            bool(getattr(config, "speedkv_compact_kv", True)),
+        )
+
+
+def padding_free_lcut(layers: int, target: float = 0.75) -> int:
+    """The cutoff nearest `target * layers` whose KV cache groups need no padding in vLLM
+    (the deeper one on a tie): the vLLM backend's default lcut."""
+    free = [c for c in range(1, layers) if SpeedSettings(c, 1, 1).padded_layers(layers) == 0]
+    return min(free, key=lambda c: (abs(c - target * layers), -c))

@@ -1,0 +1,166 @@
+"""The vLLM backend's parts that run without vLLM: which rows of a step are full depth (the
+SPEED rule, in vLLM's flattened layout) and the method spec -> engine arguments checks."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+
+import pytest
+import torch
+
+from speedkv.errors import UserError
+from speedkv.methods.speed import SpeedRule
+from speedkv.vllm.args import engine_args, require_vllm
+from speedkv.vllm.compact import compact_length, compact_slots, full_depth_rows
+
+from helpers import run_cli
+
+
+def random_step(gen: torch.Generator, requests: int):
+    """A step of mixed requests: each has a prompt, a number of tokens already computed and
+    a chunk scheduled now (prefill chunks, a last chunk, decode steps, recomputations)."""
+    prompt = torch.randint(1, 60, (requests,), generator=gen)
+    total = prompt + torch.randint(0, 6, (requests,), generator=gen)  # prompt + generated
+    done = (torch.rand(requests, generator=gen) * total).long()
+    chunk = torch.minimum(total - done, torch.randint(1, 40, (requests,), generator=gen))
+    positions = torch.cat([torch.arange(d, d + c) for d, c in zip(done, chunk)])
+    query_start = torch.zeros(requests + 1, dtype=torch.int32)
+    query_start[1:] = chunk.cumsum(0)
+    return positions, query_start, done + chunk, prompt
+
+
+@pytest.mark.parametrize("anchors", [0, 1, 4])
+@pytest.mark.parametrize("deep", [1, 3])
+def test_full_depth_rows_follow_the_speed_rule(anchors, deep):
+    gen = torch.Generator().manual_seed(anchors * 10 + deep)
+    for _ in range(30):
+        positions, query_start, seq_lens, prompt = random_step(gen, 5)
+        found = full_depth_rows(positions, query_start, seq_lens, prompt, anchors, deep)
+        rule = SpeedRule(lcut=0, anchors=anchors, deep=deep)
+        for r in range(5):
+            span = slice(int(query_start[r]), int(query_start[r + 1]))
+            want = rule.full_depth(positions[span], int(prompt[r]), deep).nonzero().squeeze(1)
+            mine = found.rows[found.row_request == r] - span.start
+            assert torch.equal(mine, want)
+            # compact index = how many full-depth positions come before it
+            every = rule.full_depth(torch.arange(int(seq_lens[r])), int(prompt[r]), deep)
+            rank = every.cumsum(0) - 1
+            assert torch.equal(found.compact[found.row_request == r],
+                               rank[positions[span][want]])  # fmt: skip
+            if r in found.requests:
+                k = int((found.requests == r).nonzero())
+                assert int(found.seq_lens[k]) == int(every.sum())
+                queries = found.query_start[k + 1] - found.query_start[k]
+                assert int(queries) == want.numel()
+        assert torch.equal(
+            compact_length(seq_lens, prompt, anchors, deep)[found.requests],
+            found.seq_lens.long(),
+        )
+
+
+def test_compact_slots_index_each_request_blocks():
+    positions = torch.tensor([0, 1, 2, 3, 4, 5, 9])  # request 0 prefills 6, request 1 decodes
+    query_start = torch.tensor([0, 6, 7])
+    found = full_depth_rows(positions, query_start, torch.tensor([6, 10]),
+                            torch.tensor([6, 7]), anchors=1, deep=2)  # fmt: skip
+    assert found.rows.tolist() == [0, 4, 5, 6]
+    assert found.compact.tolist() == [0, 1, 2, 5]  # request 1 keeps 0, 5, 6, 7, 8, 9
+    block_table = torch.tensor([[3, 0], [7, 8]])
+    assert compact_slots(block_table, found, 4).tolist() == [12, 13, 14, 33]
+
+
+def write_config(tmp_path, **fields):
+    config = dict(model_type="llama", num_hidden_layers=30, hidden_size=576,
+                  num_attention_heads=9, num_key_value_heads=3, intermediate_size=1536,
+                  vocab_size=49152, max_position_embeddings=8192)  # fmt: skip
+    config.update(fields)
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    return tmp_path
+
+
+def test_engine_args_turn_a_speed_spec_into_overrides(tmp_path):
+    directory = write_config(tmp_path)
+    args = engine_args("speed:lcut=22,anchors=sink:4,deep=3", directory)
+    assert args["hf_overrides"] == {
+        "architectures": ["SpeedLlamaForCausalLM"],
+        "speedkv_lcut": 22,
+        "speedkv_anchors": 4,
+        "speedkv_deep": 3,
+        "speedkv_compact_kv": True,
+    }
+    assert args["enable_prefix_caching"] is False
+    # no lcut: the padding-free cut nearest 0.75 L (22 would leave vLLM 2 empty layer slots)
+    assert engine_args("speed", directory)["hf_overrides"]["speedkv_lcut"] == 24
+    assert engine_args("speed:lcut=30", directory) == {}
+    assert engine_args("full", directory) == {}
+    qwen = engine_args("speed:lcut=18,anchors=none", write_config(tmp_path, model_type="qwen2"))
+    assert qwen["hf_overrides"]["architectures"] == ["SpeedQwen2ForCausalLM"]
+
+
+@pytest.mark.parametrize(
+    ("method", "model_type", "message"),
+    [
+        ("snapkv", "llama", "runs full and speed"),
+        ("speed:lcut=31", "llama", "between 0 and 30"),
+        ("speed:lcut=22,deep=header", "llama", "token count"),
+        ("speed:lcut=22,selfonly=true", "llama", "selfonly"),
+        ("speed:lcut=22", "qwen3", "llama, qwen2"),
+        ("speed:lcut=22", "gpt2", "not supported"),
+        ("speed:lcut=22,anchors=bos2", "llama", "anchors must be"),
+    ],
+)
+def test_engine_args_refuse_what_vllm_cannot_run(tmp_path, method, model_type, message):
+    with pytest.raises(UserError, match=message):
+        engine_args(method, write_config(tmp_path, model_type=model_type))
+
+
+def test_engine_args_need_a_model_directory(tmp_path):
+    with pytest.raises(UserError, match="no config.json"):
+        engine_args("speed", tmp_path)
+
+
+@pytest.mark.skipif(importlib.util.find_spec("vllm") is not None, reason="vLLM is installed")
+def test_missing_vllm_names_the_make_target():
+    with pytest.raises(UserError, match="make vllm-venv"):
+        require_vllm()
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (["generate", "hi", "--backend", "tpu"], "backend must be speedkv or vllm"),
+        (["serve", "--backend", "tpu"], "backend must be speedkv or vllm"),
+    ],
+)
+def test_bad_backend_is_one_sentence(args, message, monkeypatch, capsys):
+    code, _, err = run_cli(args, monkeypatch, capsys)
+    assert code == 2 and message in err and "Traceback" not in err
+
+
+@pytest.mark.skipif(importlib.util.find_spec("vllm") is not None, reason="vLLM is installed")
+@pytest.mark.parametrize("command", [["generate", "hi"], ["serve"]])
+def test_backend_vllm_without_vllm_names_the_make_target(command, monkeypatch, capsys):
+    code, _, err = run_cli([*command, "--backend", "vllm"], monkeypatch, capsys)
+    assert code == 2 and "make vllm-venv" in err and "Traceback" not in err
+
+
+@pytest.mark.parametrize(
+    ("layers", "lcut", "groups", "padded"),
+    [
+        (30, 22, (8, 3, 1), 2),  # 22 lower layers in groups of 8: one slot of two is empty
+        (30, 24, (6, 4, 1), 0),
+        (30, 15, (15, 1, 1), 0),
+        (30, 26, (4, 7, 1), 2),
+        (24, 18, (6, 3, 1), 0),
+        (25, 14, (14, 1, 1), 3),  # 11 upper within 1.5x of 14: one group each, padded to 14
+    ],
+)
+def test_kv_groups_follow_vllms_grouping(layers, lcut, groups, padded):
+    from speedkv.vllm.settings import SpeedSettings, padding_free_lcut
+
+    settings = SpeedSettings(lcut, anchors=1, deep=1)
+    assert settings.kv_groups(layers) == groups
+    assert settings.padded_layers(layers) == padded
+    assert settings.padded_layers(layers) == 0 or padding_free_lcut(layers) != lcut
+    assert SpeedSettings(lcut, 1, 1, compact_kv=False).kv_groups(layers) == (layers, 1, 0)

@@ -1,0 +1,23 @@
+"""The README's `.venv-vllm/bin/speedkv` lines run as written (with small sizes appended), from
+a newcomer's directory: the vLLM half of tests/test_readme.py."""
+
+from __future__ import annotations
+
+import json
+
+import test_readme as readme
+
+newcomer = readme.newcomer  # the same fixture: a doc.txt and the shipped adapters
+
+
+def test_every_vllm_readme_command_runs(newcomer):
+    commands = readme.readme_commands(".venv-vllm")
+    assert {args[0] for args in commands} == {"generate", "serve"}
+    for args in commands:
+        if args[0] == "serve":
+            reply = readme.serve_and_ask(args, newcomer)
+            assert reply["choices"][0]["message"]["content"]
+        else:
+            done = readme.run(args + readme.SMALL.get(args[0], []), newcomer)
+            record = json.loads(done.stdout.strip().splitlines()[-1])
+            assert record["backend"] == "vllm" and record["output_ids"]

@@ -1,0 +1,50 @@
+"""`speedkv generate --backend vllm`: the same prompt ids, the same greedy tokens as speedkv's
+own engine (float32, with the shipped SPEED adapter merged), the same JSON fields; and what the
+vLLM backend does not run is one sentence and exit 2."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from helpers import run_cli
+
+ADAPTER = str(Path(__file__).resolve().parents[2] / "adapters" / "smollm2-135m-speed22-bos")
+PROMPT = "Name three primary colors and say which one the sky is."
+
+
+def generate(backend: str, monkeypatch, capsys) -> dict:
+    args = ["generate", PROMPT, "--method", "speed:lcut=22,anchors=bos", "--adapter", ADAPTER,
+            "--dtype", "float32", "-n", "16", "--json", "--backend", backend]  # fmt: skip
+    code, out, err = run_cli(args, monkeypatch, capsys)
+    assert code == 0, err
+    return json.loads(out.strip().splitlines()[-1])
+
+
+def test_generate_on_vllm_equals_speedkv_with_the_adapter(monkeypatch, capsys):
+    ours = generate("speedkv", monkeypatch, capsys)
+    theirs = generate("vllm", monkeypatch, capsys)
+    assert theirs["prompt_ids"] == ours["prompt_ids"]
+    assert theirs["output_ids"] == ours["output_ids"]
+    assert theirs["text"] == ours["text"]
+    for field in ("ttft_s", "tpot_s", "kv_bytes", "layer_lengths", "finish_reason", "method"):
+        assert field in theirs
+    n = len(theirs["prompt_ids"])
+    assert theirs["layer_lengths"] == [n] * 22 + [2] * 8  # the anchor and the last prompt token
+    assert theirs["backend"] == "vllm" and theirs["ttft_s"] > 0
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (["--method", "snapkv"], "runs full and speed"),
+        (["--method", "speed:lcut=31"], "between 0 and 30"),
+        (["--method", "speed:lcut=22,deep=turn"], "token count"),
+        (["--weights", "int8"], "drop them with --backend vllm"),
+    ],
+)
+def test_what_the_vllm_backend_refuses(args, message, monkeypatch, capsys):
+    code, _, err = run_cli(["generate", "hi", "--backend", "vllm", *args], monkeypatch, capsys)
+    assert code == 2 and message in err and "Traceback" not in err

@@ -1,0 +1,115 @@
+"""`speedkv serve --backend vllm`: vLLM's own OpenAI server running SPEED with the shipped
+adapter, answering the official openai client; what SPEED cannot answer is a 400."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+import openai
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+ADAPTER = ROOT / "adapters" / "smollm2-135m-speed22-bos"
+MODEL = "smollm2-135m"
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="module")
+def server():
+    port = free_port()
+    command = [
+        sys.executable, "-m", "speedkv.cli.app", "serve", "--backend", "vllm",
+        "--method", "speed:lcut=22,anchors=bos", "--adapter", str(ADAPTER),
+        "--dtype", "bfloat16", "--port", str(port),
+    ]  # fmt: skip
+    env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1"}
+    env.pop("VLLM_ENABLE_V1_MULTIPROCESSING", None)  # the server as users run it
+    process = subprocess.Popen(command, env=env, stdout=subprocess.DEVNULL,
+                               stderr=subprocess.PIPE, text=True)  # fmt: skip
+    base = f"http://127.0.0.1:{port}"
+    deadline = time.time() + 600
+    while time.time() < deadline:
+        if process.poll() is not None:
+            pytest.fail("the server exited: " + process.stderr.read()[-3000:])
+        try:
+            if httpx.get(base + "/health", timeout=2).status_code == 200:
+                break
+        except httpx.HTTPError:
+            time.sleep(2)
+    else:
+        process.kill()
+        pytest.fail("the server did not come up within 10 minutes")
+    yield base
+    process.terminate()
+    try:
+        process.wait(timeout=60)
+    except subprocess.TimeoutExpired:
+        process.kill()
+
+
+def client(base: str) -> openai.OpenAI:
+    return openai.OpenAI(base_url=base + "/v1", api_key="unused")
+
+
+def test_chat_and_completions_streaming_and_not(server):
+    api = client(server)
+    chat = api.chat.completions.create(
+        model=MODEL, messages=[{"role": "user", "content": "What is the capital of France?"}],
+        max_tokens=16, temperature=0,
+    )  # fmt: skip
+    assert chat.choices[0].message.content.strip()
+    assert chat.usage.completion_tokens > 0
+    pieces = api.chat.completions.create(
+        model=MODEL, messages=[{"role": "user", "content": "What is the capital of France?"}],
+        max_tokens=16, temperature=0, stream=True,
+    )  # fmt: skip
+    streamed = "".join(c.choices[0].delta.content or "" for c in pieces if c.choices)
+    assert streamed == chat.choices[0].message.content  # greedy: the same text either way
+    text = api.completions.create(model=MODEL, prompt="Once upon a time", max_tokens=12,
+                                  temperature=0)  # fmt: skip
+    assert text.choices[0].text
+    chunks = api.completions.create(model=MODEL, prompt="Once upon a time", max_tokens=12,
+                                    temperature=0, stream=True)  # fmt: skip
+    assert "".join(c.choices[0].text for c in chunks) == text.choices[0].text
+
+
+def test_prompt_logprobs_are_refused(server):
+    api = client(server)
+    with pytest.raises(openai.BadRequestError, match="SPEED"):
+        api.completions.create(model=MODEL, prompt="Once upon a time", max_tokens=2,
+                               echo=True, logprobs=1)  # fmt: skip
+    reply = httpx.post(server + "/v1/completions", json={
+        "model": MODEL, "prompt": "Once upon a time", "max_tokens": 2, "prompt_logprobs": 1,
+    }, timeout=60)  # fmt: skip
+    assert reply.status_code == 400
+    assert "SPEED" in reply.text
+
+
+def test_32_concurrent_streaming_clients(server):
+    async def one(api: openai.AsyncOpenAI, i: int) -> int:
+        stream = await api.chat.completions.create(
+            model=MODEL, messages=[{"role": "user", "content": f"Count to {i + 3}."}],
+            max_tokens=24, temperature=0, stream=True,
+        )  # fmt: skip
+        return sum([1 async for c in stream if c.choices and c.choices[0].delta.content])
+
+    async def all_of_them() -> list:
+        api = openai.AsyncOpenAI(base_url=server + "/v1", api_key="unused", max_retries=0)
+        return await asyncio.gather(*(one(api, i) for i in range(32)), return_exceptions=True)
+
+    results = asyncio.run(all_of_them())
+    errors = [r for r in results if isinstance(r, BaseException)]
+    assert not errors, errors[:3]
+    assert all(r > 0 for r in results)

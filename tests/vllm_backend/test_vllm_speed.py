@@ -1,0 +1,136 @@
+"""The vLLM backend against speedkv's own engine on SmolLM2-135M: float32, greedy, a batch of
+prompts from 1 to 3000 tokens; again with chunked prefill and with preemption forced."""
+
+from __future__ import annotations
+
+import functools
+
+import pytest
+import torch
+
+from speedkv import Engine, Request, SamplingParams, load_model, make_policy
+from speedkv.hf.loading import model_directory
+from speedkv.prompts.builders import exact_chat_prompt, raw_passage
+from speedkv.vllm.args import engine_args
+from speedkv.vllm.compact import compact_length
+from speedkv.vllm.settings import SpeedSettings
+
+from conftest import run_vllm
+
+NEW = 8
+LENGTHS = [1, 2, 5, 37, 300, 900, 1700, 3000]
+
+
+@pytest.fixture(scope="module")
+def smollm():
+    return load_model("smollm2-135m", dtype="float32", device="cpu", progress=False)
+
+
+@pytest.fixture(scope="module")
+def directory():
+    return model_directory("smollm2-135m", progress=False)
+
+
+@pytest.fixture(scope="module")
+def prompts(smollm) -> list[list[int]]:
+    tok = smollm.tokenizer
+    return [
+        raw_passage(tok, n, "eval", 7 * i + 3) if n < 40 else exact_chat_prompt(tok, n, 11 * i)
+        for i, n in enumerate(LENGTHS)
+    ]
+
+
+@pytest.fixture(scope="module")
+def reference(smollm):
+    """speedkv's own engine: greedy tokens of a method over prompts (memoised)."""
+    engine = Engine(smollm)
+
+    @functools.cache
+    def tokens(method: str, prompts: tuple[tuple[int, ...], ...], new: int = NEW):
+        requests = [
+            Request(
+                list(p),
+                make_policy(method, smollm.shape),
+                SamplingParams(max_new_tokens=new, ignore_eos=True),
+            )
+            for p in prompts
+        ]
+        return [g.output_ids for g in engine.generate(requests)]
+
+    return lambda method, prompts, new=NEW: tokens(method, tuple(map(tuple, prompts)), new)
+
+
+def upper_rows(prompts, anchors: int, deep: int, new: int) -> int:
+    """Rows SPEED sends through the upper layers: each prompt's full-depth positions, then
+    every generated token that is fed back (the last one never is)."""
+    lengths = torch.tensor([len(p) for p in prompts])
+    prompt_rows = compact_length(lengths, lengths, anchors, deep).sum().item()
+    return int(prompt_rows) + len(prompts) * (new - 1)
+
+
+def test_full_is_stock_vllm_and_equals_the_engine(directory, prompts, reference):
+    assert engine_args("full", directory) == {}
+    assert engine_args("speed:lcut=30", directory) == {}  # lcut = L is the stock model
+    run = run_vllm(directory, prompts, NEW)
+    assert run.tokens == reference("full", prompts)
+
+
+def test_speed_architecture_at_lcut_L_equals_stock(directory, prompts, reference):
+    overrides = {
+        "architectures": ["SpeedLlamaForCausalLM"],
+        "speedkv_lcut": 30,
+        "speedkv_anchors": 1,
+        "speedkv_deep": 1,
+    }
+    run = run_vllm(directory, prompts, NEW, hf_overrides=overrides, enable_prefix_caching=False)
+    assert run.tokens == reference("full", prompts)
+    assert run.upper_rows == 0  # no layer is above the cut
+
+
+@pytest.mark.parametrize(
+    ("method", "anchors", "deep", "llm_args"),
+    [
+        ("speed:lcut=22,anchors=bos", 1, 1, {}),
+        ("speed:lcut=22,anchors=bos,deep=4", 1, 4, {}),
+        ("speed:lcut=22,anchors=none", 0, 1, {}),
+        # chunked prefill: a 128-token budget splits every long prompt, anywhere in it
+        ("speed:lcut=22,anchors=bos", 1, 1, {"max_num_batched_tokens": 128}),
+        ("speed:lcut=22,anchors=bos,deep=4", 1, 4, {"max_num_batched_tokens": 128}),
+    ],
+    ids=["bos-deep1", "bos-deep4", "none", "chunked-deep1", "chunked-deep4"],
+)
+def test_speed_equals_the_engine(directory, prompts, reference, method, anchors, deep, llm_args):
+    run = run_vllm(directory, prompts, NEW, **engine_args(method, directory), **llm_args)
+    assert run.tokens == reference(method, prompts)
+    assert run.upper_rows == upper_rows(prompts, anchors, deep, NEW)
+
+
+@pytest.mark.parametrize("deep", [1, 4])
+def test_chunk_boundary_at_the_last_prompt_tokens(directory, smollm, reference, deep):
+    """One request whose last chunk holds exactly its deep suffix (and one holding the last
+    token alone): the deep rows arrive in a step of their own."""
+    budget = 64
+    prompts = [exact_chat_prompt(smollm.tokenizer, 3 * budget + deep, start=5)]
+    method = f"speed:lcut=22,anchors=bos,deep={deep}"
+    run = run_vllm(
+        directory, prompts, NEW, **engine_args(method, directory), max_num_batched_tokens=budget
+    )
+    assert run.tokens == reference(method, prompts)
+
+
+@pytest.mark.parametrize("compact", [True, False], ids=["compact-kv", "stock-blocks"])
+def test_preemption_recomputes_the_same_tokens(directory, smollm, reference, compact):
+    """Six prompts that fill their blocks exactly, in a pool with one block to spare: the first
+    decode step needs new blocks for every request, so vLLM preempts and later recomputes
+    requests (prompt and generated tokens together), which must land on the same SPEED layout.
+    With the upper layers' own blocks (compact) or with every layer's (stock)."""
+    prompts = [exact_chat_prompt(smollm.tokenizer, 640, start=13 * i) for i in range(6)]
+    method = "speed:lcut=22,anchors=bos,deep=4"
+    args = engine_args(method, directory)
+    args["hf_overrides"]["speedkv_compact_kv"] = compact
+    _, lower, upper = SpeedSettings.from_overrides(args["hf_overrides"]).kv_groups(30)
+    per_request = lower * 640 // 128 + upper  # the upper groups keep 1 + 4 rows: one block
+    run = run_vllm(directory, prompts, 16, **args, num_gpu_blocks_override=6 * per_request + 1,
+                   max_model_len=1024)  # fmt: skip
+    assert run.preemptions > 0
+    assert run.tokens == reference(method, prompts, 16)
