@@ -41,10 +41,11 @@ def measure(method: str, compact: bool, args, prompts) -> dict:
     block = 128
     token_bytes = shape.kv_bytes_per_token_layer(getattr(torch, args.dtype)) * shape.num_layers
     pool = args.pool_stock_blocks * block * token_bytes
-    llm = LLM(model=str(directory), dtype=args.dtype, seed=0, enforce_eager=True,
-              enable_prefix_caching=False, block_size=block, kv_cache_memory_bytes=pool,
-              max_num_seqs=len(prompts), max_model_len=args.prompt_tokens + args.new_tokens + 8,
-              disable_log_stats=False, **extra)  # fmt: skip
+    settings = dict(dtype=args.dtype, seed=0, enforce_eager=True, enable_prefix_caching=False,
+                    block_size=block, kv_cache_memory_bytes=pool, max_num_seqs=len(prompts),
+                    max_model_len=args.prompt_tokens + args.new_tokens + 8,
+                    disable_log_stats=False)  # fmt: skip
+    llm = LLM(model=str(directory), **{**settings, **extra})
     try:
         engine = llm.llm_engine
         scheduler = engine.engine_core.engine_core.scheduler
@@ -103,6 +104,7 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)  # fmt: skip
 
     os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")  # the scheduler in reach
+    os.environ.pop("VLLM_CPU_KVCACHE_SPACE", None)  # it would override the pool set here
     os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
     from speedkv.hf.loading import load_tokenizer, model_directory
     from speedkv.prompts.builders import exact_chat_prompt

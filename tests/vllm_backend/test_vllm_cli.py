@@ -48,3 +48,19 @@ def test_generate_on_vllm_equals_speedkv_with_the_adapter(monkeypatch, capsys):
 def test_what_the_vllm_backend_refuses(args, message, monkeypatch, capsys):
     code, _, err = run_cli(["generate", "hi", "--backend", "vllm", *args], monkeypatch, capsys)
     assert code == 2 and message in err and "Traceback" not in err
+
+
+def test_bench_on_vllm_writes_the_same_report(tmp_path, monkeypatch, capsys):
+    out = tmp_path / "bench"
+    args = ["bench", "--backend", "vllm", "--methods", "speed:lcut=15,anchors=bos",
+            "--lengths", "512", "--max-new-tokens", "4", "--repeats", "2", "--out", str(out),
+            "--json"]  # fmt: skip
+    code, stdout, err = run_cli(args, monkeypatch, capsys)
+    assert code == 0, err
+    result = json.loads(stdout)
+    assert result["decode"] == "vllm" and result["methods"] == ["full", "speed:lcut=15,anchors=bos"]
+    cells = {c["method"]: c for c in result["cells"]}
+    assert cells["full"]["repeats"] == 2 and cells["full"]["ttft_s"] > 0
+    # 513 tokens: 5 blocks in 30 layers for stock; 5 in the 15 lower + 1 in the 15 upper
+    assert cells["speed:lcut=15,anchors=bos"]["kv_ratio"] == pytest.approx(6 * 15 / (5 * 30))
+    assert (out / "results.json").is_file() and (out / "table.md").is_file()

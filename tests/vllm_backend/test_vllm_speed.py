@@ -134,3 +134,21 @@ def test_preemption_recomputes_the_same_tokens(directory, smollm, reference, com
                    max_model_len=1024)  # fmt: skip
     assert run.preemptions > 0
     assert run.tokens == reference(method, prompts, 16)
+
+
+def test_prompt_logprobs_are_refused_offline(directory):
+    """From Python too: SPEED cannot score prompt tokens, so vLLM refuses the request."""
+    from vllm import LLM
+    from vllm import SamplingParams as VllmSampling
+    from vllm.exceptions import VLLMValidationError
+
+    llm = LLM(model=str(directory), dtype="float32", **engine_args("speed:lcut=22", directory))
+    try:
+        with pytest.raises(VLLMValidationError, match="not available under SPEED"):
+            llm.generate([{"prompt_token_ids": [1, 2, 3, 4]}],
+                         VllmSampling(max_tokens=2, prompt_logprobs=1), use_tqdm=False)  # fmt: skip
+        # everything else runs
+        assert llm.generate([{"prompt_token_ids": [1, 2, 3, 4]}], VllmSampling(max_tokens=2),
+                            use_tqdm=False)[0].outputs[0].token_ids  # fmt: skip
+    finally:
+        del llm

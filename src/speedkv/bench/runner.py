@@ -67,6 +67,21 @@ class BenchConfig:
     command: str = ""  # the command line that produced the results, for the report
 
 
+def check_config(config: BenchConfig, max_positions: int) -> None:
+    """A sweep's settings that cannot run, as one sentence, before anything is measured."""
+    too_long = [n for n in config.lengths if n > max_positions]
+    if too_long:
+        raise UserError(
+            f"length {too_long[0]} is longer than the model's context of {max_positions} tokens"
+        )
+    if config.repeats < 1:
+        raise UserError(f"repeats must be at least 1, got {config.repeats}")
+    if config.new_tokens < 2:
+        raise UserError(
+            f"max-new-tokens must be at least 2 (TPOT needs two), got {config.new_tokens}"
+        )
+
+
 def rotated(methods: list[str], repeat: int) -> list[str]:
     """The methods in the order repeat `repeat` runs them: each repeat starts one further on,
     so whatever the first run after a length switch pays is not always paid by the same one."""
@@ -84,18 +99,7 @@ class Bench:
         bound = [m if m == HF else make_policy(m, model.shape) for m in ["full", *config.methods]]
         self.policies = {p.spec(): p for p in bound if p != HF}
         self.methods = list(dict.fromkeys(HF if p == HF else p.spec() for p in bound))
-        too_long = [n for n in config.lengths if n > model.shape.max_positions]
-        if too_long:
-            raise UserError(
-                f"length {too_long[0]} is longer than the model's context of "
-                f"{model.shape.max_positions} tokens"
-            )
-        if config.repeats < 1:
-            raise UserError(f"repeats must be at least 1, got {config.repeats}")
-        if config.new_tokens < 2:
-            raise UserError(
-                f"max-new-tokens must be at least 2 (TPOT needs two), got {config.new_tokens}"
-            )
+        check_config(config, model.shape.max_positions)
 
     # -- one measurement -------------------------------------------------------------------
     def measure(self, method: str, ids: list[int], new_tokens: int) -> dict:
@@ -139,7 +143,7 @@ class Bench:
         runs_path = self.out / "runs.jsonl"
         header = {
             "model": cfg.model,
-            "dtype": self.model.dtype_name,
+            "dtype": self.dtype_name,
             "new_tokens": cfg.new_tokens,
             "decode": self.decode_mode,
         }
@@ -148,7 +152,7 @@ class Bench:
         if progress:
             # stderr, like every progress line: stdout carries the table or --json
             log(f"machine limits: {self.limits().describe()}", source="bench")
-        prompts = {n: exact_chat_prompt(self.model.tokenizer, n) for n in cfg.lengths}
+        prompts = {n: exact_chat_prompt(self.tokenizer, n) for n in cfg.lengths}
         todo = pending_runs(runs, cfg.repeats, cfg.lengths, self.methods)
         warm = sorted({(n, m) for _, n, m in todo})
         bar = tqdm(
@@ -172,6 +176,18 @@ class Bench:
         )
         bar.close()
         return self.summarise(runs)
+
+    # -- what the sweep needs of the engine (VllmBench answers them for vLLM) ----------------
+    @property
+    def tokenizer(self):
+        return self.model.tokenizer
+
+    @property
+    def dtype_name(self) -> str:
+        return self.model.dtype_name
+
+    def decode_weight_bytes(self) -> int:
+        return self.model.backbone.decode_weight_bytes()
 
     def limits(self) -> MachineLimits:
         """Measured once per run, after the model is loaded, before the sweep."""
@@ -220,12 +236,12 @@ class Bench:
                 )
                 cells.append(cell)
         limits = self.limits()
-        weight_bytes = self.model.backbone.decode_weight_bytes()
+        weight_bytes = self.decode_weight_bytes()
         add_bounds(cells, limits, weight_bytes)
         result = {
             "config": config_record(self.config),
             "methods": self.methods,
-            "dtype": self.model.dtype_name,
+            "dtype": self.dtype_name,
             "decode": self.decode_mode,
             "machine": machine_facts(),
             "limits": {

@@ -15,6 +15,7 @@ from speedkv.cli.options import (
     METHODS_HELP,
     Adapter,
     AsJson,
+    Backend,
     Device,
     Dtype,
     Lengths,
@@ -99,13 +100,15 @@ def bench(
     prepack: Prepack = True,
     device: Device = "auto",
     threads: Threads = 0,
+    backend: Backend = "speedkv",
     as_json: AsJson = False,
 ) -> None:
     """Measure TTFT, TPOT, KV bytes, peak RSS and FLOPs per method and prompt length.
 
     The same run measures this machine's read bandwidth and matmul rate and reports every
     TTFT and TPOT as a multiple of its hardware limit. With --adapter the merged weights run:
-    what they cost is the base model's cost.
+    what they cost is the base model's cost. With --backend vllm every method runs on its own
+    vLLM engine (full is stock vLLM), against the same prompts.
     """
     from speedkv.bench.runner import Bench, BenchConfig
 
@@ -120,8 +123,11 @@ def bench(
         dtype=dtype,
         command=command_line(),
     )
-    set_threads(threads)
-    runner = Bench(load(model, dtype, device, adapter, weights, prepack), config, out)
+    if backend == "vllm":
+        runner = vllm_bench(model, config, adapter, weights, out)
+    else:
+        set_threads(threads)
+        runner = Bench(load(model, dtype, device, adapter, weights, prepack), config, out)
     result = runner.run(resume=resume)
     if as_json:
         print(json.dumps(result, indent=2))
@@ -137,6 +143,26 @@ def bench(
         images = os.path.relpath(out.resolve(), readme.resolve().parent)
         readme.write_text(report_markdown(result, images))
         log(f"results in {out}/ (results.json, results.csv, table.md, efficiency.png)")
+
+
+def vllm_bench(model: str, config, adapter: Path | None, weights: str, out: Path):
+    """`bench --backend vllm`: every method checked against what vLLM runs before any loads."""
+    from speedkv.cli.common import vllm_dtype, vllm_model
+    from speedkv.vllm.args import engine_args
+    from speedkv.vllm.bench import VllmBench
+    from speedkv.vllm.offline import cpu_kv_space, quiet_vllm_logs
+
+    if weights != "native":
+        raise UserError("--weights is speedkv's own engine's; drop it with --backend vllm")
+    if HF in config.methods:
+        raise UserError("'hf' is transformers' generate; --backend vllm runs full and speed")
+    directory = vllm_model(model, "full", adapter)
+    for method in config.methods:
+        engine_args(str(method), directory)
+    quiet_vllm_logs()
+    cpu_kv_space(1)  # GiB per method's engine: one request at a time
+    config.dtype = vllm_dtype(config.dtype)
+    return VllmBench(directory, config, out)
 
 
 @commands.command("bench-reuse")
