@@ -82,6 +82,7 @@ def measure(method: str, compact: bool, args, prompts) -> dict:
             "tokens": [tokens[f"r{i}"] for i in range(len(prompts))],
         }
     finally:
+        llm.llm_engine.engine_core.shutdown()  # now: a late collection would tear down the next
         del llm
         gc.collect()
 

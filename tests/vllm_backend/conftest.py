@@ -39,5 +39,6 @@ def run_vllm(directory, prompts: list[list[int]], new_tokens: int, **llm_args) -
         )
         return VllmRun([list(o.outputs[0].token_ids) for o in outputs], rows, preemptions)
     finally:
+        llm.llm_engine.engine_core.shutdown()  # now, not whenever the collector gets to it
         del llm
         gc.collect()

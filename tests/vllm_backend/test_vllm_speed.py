@@ -151,4 +151,5 @@ def test_prompt_logprobs_are_refused_offline(directory):
         assert llm.generate([{"prompt_token_ids": [1, 2, 3, 4]}], VllmSampling(max_tokens=2),
                             use_tqdm=False)[0].outputs[0].token_ids  # fmt: skip
     finally:
+        llm.llm_engine.engine_core.shutdown()
         del llm

@@ -168,12 +168,13 @@ def generate_on_vllm(
     cpu_kv_space(1)  # GiB: room for one request
     ids = encode_prompt(load_tokenizer(directory), text, chat=not raw).ids
     log(f"starting vLLM on {directory.name}, method {spec}")
-    engine = VllmEngine.open(directory, spec, dtype=vllm_dtype(dtype))
-    log(f"{len(ids)} prompt tokens, method {spec}, {engine.dtype_name}, backend vllm")
-    record = engine.generate([ids], sampling)[0]
+    with VllmEngine.open(directory, spec, dtype=vllm_dtype(dtype)) as engine:
+        log(f"{len(ids)} prompt tokens, method {spec}, {engine.dtype_name}, backend vllm")
+        record = engine.generate([ids], sampling)[0]
+        dtype_name = engine.dtype_name
     peak = peak_rss_bytes()
     if as_json:
-        print(json.dumps({"model": model, "dtype": engine.dtype_name, **record,
+        print(json.dumps({"model": model, "dtype": dtype_name, **record,
                           "peak_rss_bytes": peak}))  # fmt: skip
         return
     print(record["text"])

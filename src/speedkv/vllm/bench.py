@@ -37,6 +37,13 @@ class VllmBench(Bench):
         self.decode_mode = "vllm"
         self.engines = {m: VllmEngine.open(directory, m, dtype=config.dtype) for m in self.methods}
 
+    def run(self, resume: bool, progress: bool = True) -> dict:
+        try:
+            return super().run(resume, progress)
+        finally:
+            for engine in self.engines.values():
+                engine.close()
+
     @property
     def tokenizer(self):
         return self._tokenizer

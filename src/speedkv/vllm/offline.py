@@ -69,6 +69,18 @@ class VllmEngine:
             speed=SpeedSettings.from_overrides(args.get("hf_overrides")),
         )
 
+    def close(self) -> None:
+        """Shut the engine down now. Left to the garbage collector, an in-process engine tears
+        down vLLM's process-wide distributed state whenever it happens to be collected, which
+        may be under the next engine."""
+        self.llm.llm_engine.engine_core.shutdown()
+
+    def __enter__(self) -> VllmEngine:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
     @property
     def dtype_name(self) -> str:
         return str(self.llm.llm_engine.vllm_config.model_config.dtype).removeprefix("torch.")
