@@ -226,7 +226,7 @@ def test_expected_savings(tiny):
     [
         (["choose-lcut", "--budget", "accuracy=0.9"], "is not understood"),
         (["choose-lcut", "--budget", "agreement=2"], "must be in (0, 1]"),
-        (["choose-lcut", "--anchors", "first"], "anchors must be"),
+        (["choose-lcut", "--anchors", "last"], "anchors must be"),
         (["choose-lcut", "--adapter", "/tmp/x"], "is not an adapter directory"),
         (["choose-lcut", "--samples", "0"], "samples must be at least 1"),
         (["diagnose", "--prompts-file", "/nonexistent.txt"], "does not exist"),

@@ -184,6 +184,10 @@ def test_taking_more_sentences_than_the_pool_holds_is_an_error():
     assert take_sentences(pool, 2, 2, lambda at: 1) == "Three. One."
     with pytest.raises(UserError, match="hold only about 3 tokens"):
         take_sentences(pool, 10, 0, lambda at: 1)
+    # a long haystack may read the pool again
+    assert take_sentences(pool, 7, 1, lambda at: 1, repeat=True) == (
+        "Two. Three. One. Two. Three. One. Two."
+    )
 
 
 def test_chat_prompts_of_exact_length_and_about_a_passage(smol_tokenizer):

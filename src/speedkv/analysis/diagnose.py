@@ -249,12 +249,13 @@ def diagnose(
     prompts: list[list[int]],
     new_tokens: int,
     lcut: int,
-    anchors: str = "bos",
+    anchors: str | None = None,
     progress: bool = True,
 ) -> dict:
     """Run every prompt greedily with full attention and with SPEED at `lcut`, trace each
     continuation under its own visibility, and summarise both. Returns a JSON-ready dict."""
-    speed = make_policy(f"speed:lcut={lcut},anchors={anchors}", engine.shape)
+    spec = f"speed:lcut={lcut}" + (f",anchors={anchors}" if anchors else "")
+    speed = make_policy(spec, engine.shape)  # no anchors: the model's default
     rule = SpeedRule.of(speed)
     deep = rule.deep_tokens(None)  # the spec leaves deep at its default
     variants = {"full": ("full", None), "speed": (speed.spec(), lcut)}

@@ -1,6 +1,7 @@
 """`speedkv bench`: TTFT, TPOT, KV memory, peak RSS and FLOPs of methods across prompt lengths.
 
-Every cell (method x length) is measured `repeats` times after one warm-up; within each repeat
+Every cell (method x length) is measured `repeats` times, after one warm-up run of each method
+at the shortest length; within each repeat
 all methods run back to back on the same prompt (each repeat in a rotated order), so machine
 noise hits them alike, and every ratio is taken against `full` from the same repeat. Raw runs
 go to `runs.jsonl` as they finish, so an interrupted sweep resumes where it stopped
@@ -154,7 +155,10 @@ class Bench:
             log(f"machine limits: {self.limits().describe()}", source="bench")
         prompts = {n: exact_chat_prompt(self.tokenizer, n) for n in cfg.lengths}
         todo = pending_runs(runs, cfg.repeats, cfg.lengths, self.methods)
-        warm = sorted({(n, m) for _, n, m in todo})
+        # one warm-up per method, at its shortest pending length: first-call costs do not
+        # grow with the prompt, and a warm-up at 32K tokens would cost minutes
+        shortest = {m: min(n for _, n, pending in todo if pending == m) for _, _, m in todo}
+        warm = sorted((n, m) for m, n in shortest.items())
         bar = tqdm(
             total=len(warm) + len(todo),
             disable=not progress,

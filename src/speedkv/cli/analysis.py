@@ -41,12 +41,13 @@ def checked_anchors(text: str) -> str:
 
 
 Anchors = Annotated[
-    str,
+    str | None,
     parsed_option(
         "--anchors",
         parse=checked_anchors,
         metavar="ANCHORS",
-        help="SPEED anchors: bos, none or sink:K.",
+        help="SPEED anchors: bos, first, none or sink:K (default: bos where the model's "
+        "prompts begin with a BoS token, else the measured default for such models).",
     ),
 ]
 
@@ -72,7 +73,7 @@ def diagnose_command(
         int | None,
         typer.Option("--lcut", help="SPEED cutoff for the second heatmap (default round(0.75 L))."),
     ] = None,
-    anchors: Anchors = "bos",
+    anchors: Anchors = None,
     out: OutDir = Path("runs/diagnose"),
     dtype: Dtype = "auto",
     device: Device = "auto",
@@ -166,7 +167,7 @@ def choose_lcut_command(
             "--candidates", help="Cutoffs to try: '0..L' (default), '16..30' or '18,20,22'."
         ),
     ] = None,
-    anchors: Anchors = "bos",
+    anchors: Anchors = None,
     deep: Annotated[int, typer.Option("--deep", help="Last prompt tokens kept at full depth.")] = 1,
     samples: Samples = 4,
     prompt_tokens: PromptTokens = 1024,
@@ -197,20 +198,23 @@ def choose_lcut_command(
     compared with the base model's full attention."""
     from speedkv.analysis.cutoff import calib_passages, parse_budget, parse_candidates
     from speedkv.core.registry import make_policy
-    from speedkv.methods.speed import parse_anchors
+    from speedkv.methods.speed import parse_anchors, resolve_anchors
 
     wanted = parse_budget(budget)
-    num_anchors = parse_anchors(anchors)
-    if deep < 1 or prompt_tokens < num_anchors + deep + 1:
-        raise UserError(
-            f"--prompt-tokens ({prompt_tokens}) must exceed anchors + deep tokens, and "
-            f"--deep must be at least 1 (got {deep})"
-        )
-    if context is not None and context < num_anchors + deep + 1:
-        raise UserError(f"--context must exceed anchors + deep tokens, got {context}")
+    if deep < 1:
+        raise UserError(f"--deep must be at least 1, got {deep}")
     set_threads(threads)
     loaded = load(model, dtype, device)
     shape = loaded.shape
+    anchors = resolve_anchors(anchors, shape)  # the default depends on the model
+    num_anchors = parse_anchors(anchors)
+    if prompt_tokens < num_anchors + deep + 1:
+        raise UserError(
+            f"--prompt-tokens ({prompt_tokens}) must exceed anchors + deep tokens "
+            f"({num_anchors} + {deep})"
+        )
+    if context is not None and context < num_anchors + deep + 1:
+        raise UserError(f"--context must exceed anchors + deep tokens, got {context}")
     cuts = parse_candidates(candidates or f"0..{shape.num_layers}", shape.num_layers)
     if prompt_tokens + continuation_tokens > shape.max_positions:
         raise UserError(

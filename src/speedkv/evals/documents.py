@@ -4,7 +4,8 @@ in the chat template with a question after the document: in the same user messag
 asked a question).
 
 The haystack comes from one essay split (evaluation uses "eval", wording design "calib"),
-starting at a sentence offset the caller draws from its seeded RNG. The prompt is fitted to
+starting at a sentence offset the caller draws from its seeded RNG, and read again from its
+start where a long prompt needs more text than the split holds. The prompt is fitted to
 the target length by trimming the haystack word by word, so every length is hit to within
 one word's tokens, and the facts stay at their fractional depth of the trimmed haystack.
 """
@@ -75,7 +76,9 @@ def fit_message(
     `encode` lays it out; by default the only user message), with the longest haystack
     (whole words from sentence `start` of `split`) that keeps the prompt within `length`
     tokens."""
-    words = haystack_text(tokenizer, length + 64, split=split, start=start).split(" ")
+    # past the split's ~20K tokens its essays repeat: the facts are still said once
+    text = haystack_text(tokenizer, length + 64, split=split, start=start, repeat=True)
+    words = text.split(" ")
     layout = encode or one_message(tokenizer)
 
     def message(count: int) -> str:

@@ -62,6 +62,9 @@ class ModelShape:
     intermediate_size: int
     vocab_size: int
     max_positions: int
+    # whether this model's prompts begin with its BoS token (SPEED's `anchors=bos` needs one);
+    # a model without a tokenizer takes the caller's ids, whose position 0 is taken on trust
+    starts_with_bos: bool = True
 
     def kv_bytes_per_token_layer(self, dtype: torch.dtype) -> int:
         """Bytes of one token's key and value in one layer."""
@@ -137,10 +140,10 @@ def decode_dims(config, shape: ModelShape) -> LayerDims | None:
 class Backbone:
     """A causal LM's pieces, addressed by layer index, for a decoder loop we run ourselves."""
 
-    def __init__(self, hf_model: nn.Module):
+    def __init__(self, hf_model: nn.Module, starts_with_bos: bool = True):
         self.hf_model = hf_model
         self.config = hf_model.config
-        self.shape = shape_of(self.config)
+        self.shape = dataclasses.replace(shape_of(self.config), starts_with_bos=starts_with_bos)
         inner = hf_model.model
         self._embed = inner.embed_tokens
         self.layers = inner.layers

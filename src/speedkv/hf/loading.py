@@ -26,6 +26,7 @@ import torch
 
 from speedkv.errors import UserError
 from speedkv.hf.backbone import SUPPORTED_MODEL_TYPES, Backbone, ModelShape, check_supported
+from speedkv.hf.text import starts_with_bos
 from speedkv.log import log
 
 DEFAULT_MODEL = "smollm2-135m"
@@ -86,7 +87,7 @@ class LoadedModel:
     source: str
 
     def __post_init__(self):
-        self.backbone = Backbone(self.hf_model)
+        self.backbone = Backbone(self.hf_model, starts_with_bos(self.tokenizer))
 
     @property
     def shape(self) -> ModelShape:

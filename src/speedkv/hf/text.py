@@ -29,6 +29,23 @@ def encode_prompt(
     return encode_messages(tokenizer, messages)
 
 
+def starts_with_bos(tokenizer) -> bool:
+    """Whether the model's prompts begin with its BoS token: the chat template's first token
+    (raw text's, without a template) is the tokenizer's `bos_token_id`. SmolLM2's ChatML
+    prompts do (its BoS is `<|im_start|>`); Qwen2.5's do not (its BoS, `<|endoftext|>`, is never
+    added). Without a tokenizer the caller's ids are taken on trust: True."""
+    if tokenizer is None:
+        return True
+    bos = getattr(tokenizer, "bos_token_id", None)
+    if bos is None:
+        return False
+    if getattr(tokenizer, "chat_template", None):
+        ids = encode_messages(tokenizer, [{"role": "user", "content": "x"}]).ids
+    else:
+        ids = tokenizer("x", add_special_tokens=True)["input_ids"]
+    return bool(ids) and ids[0] == bos
+
+
 TURN_MARK = "\u0001speedkv-turn\u0001"  # stands in for the last message to find where it starts
 
 

@@ -3,7 +3,10 @@
 Prompt tokens are computed and cached only in layers `< lcut`; decode-phase tokens run through
 every layer. Three kinds of prompt position:
 
-- anchors (`anchors=bos`: position 0; `sink:K`: positions 0..K-1; `none`): full depth,
+- anchors (`anchors=bos`: position 0, the BoS token; `first`: position 0 whatever it holds;
+  `sink:K`: positions 0..K-1; `none`): full depth. `bos` needs a model whose prompts begin
+  with its BoS token (SmolLM2's do); on one whose prompts do not (Qwen2.5's) it is an error,
+  and the default is `NO_BOS_DEFAULT`, chosen by measurement (docs/qwen.md),
 - the deep suffix (the last `deep` prompt tokens; `deep=header`: the chat template's
   generation header; `deep=turn`: the last message of a chat prompt and the header, so a
   document in an earlier turn stays shallow and the question is deep): treated as
@@ -119,7 +122,7 @@ class Speed(Policy):
     @dataclass
     class Config:
         lcut: int | None = None
-        anchors: str = "bos"
+        anchors: str | None = None  # bos where the model has one, else NO_BOS_DEFAULT
         deep: int | str = 1
         selfonly: bool = False
 
@@ -132,6 +135,7 @@ class Speed(Policy):
             raise UserError(
                 f"lcut must be between 0 and {layers} for this model, got {config.lcut}"
             )
+        config.anchors = resolve_anchors(config.anchors, shape)
         self.rule = SpeedRule(
             config.lcut, parse_anchors(config.anchors), config.deep, config.selfonly
         )
@@ -165,13 +169,36 @@ class Speed(Policy):
         return not (self.config.selfonly and layer >= self.lcut)
 
 
+# The anchor a model without a BoS token gets by default (Qwen2.5's prompts begin with the
+# chat template's `<|im_start|>`): chosen on needle retrieval and fidelity, docs/qwen.md.
+NO_BOS_DEFAULT = "first"
+ANCHOR_CHOICES = "'bos', 'first', 'none' or 'sink:K' with K >= 1"
+
+
+def resolve_anchors(value: str | None, shape) -> str:
+    """The anchors SPEED runs with on a model of `shape`: the default for None (`bos` where
+    the model's prompts begin with a BoS token, else NO_BOS_DEFAULT); `bos` on a model whose
+    prompts do not is an error rather than an anchor on whatever token comes first."""
+    if value is None:
+        return "bos" if shape.starts_with_bos else NO_BOS_DEFAULT
+    parse_anchors(value)
+    if value == "bos" and not shape.starts_with_bos:
+        raise UserError(
+            "anchors=bos needs a BoS token, and this model's prompts do not begin with one; "
+            f"use anchors=first (position 0, whatever token it holds), sink:K or none (the "
+            f"default here is {NO_BOS_DEFAULT})"
+        )
+    return value
+
+
 def parse_anchors(value: str) -> int:
-    """'bos' -> 1, 'none' -> 0, 'sink:K' -> K: the number of leading full-depth positions."""
-    if value == "bos":
+    """'bos' and 'first' -> 1, 'none' -> 0, 'sink:K' -> K: the number of leading full-depth
+    positions."""
+    if value in ("bos", "first"):
         return 1
     if value == "none":
         return 0
     kind, _, count = value.partition(":")
     if kind == "sink" and count.isdigit() and int(count) >= 1:
         return int(count)
-    raise UserError(f"anchors must be 'bos', 'none' or 'sink:K' with K >= 1, got '{value}'")
+    raise UserError(f"anchors must be {ANCHOR_CHOICES}, got '{value}'")

