@@ -226,6 +226,25 @@ def test_resume_and_rerun_give_the_same_records(word_model, tmp_path, monkeypatc
     assert done["records"] == resumed["records"]
 
 
+def test_shared_prefill_gives_the_answers_of_separate_runs(word_model, tmp_path):
+    methods = [
+        "speed:lcut=1,anchors=bos",
+        "speed:lcut=2,anchors=sink:4,deep=3",
+        "speed:lcut=1,anchors=none,selfonly=true",  # runs its own prefill
+        "snapkv",  # not SPEED: its own prefill
+    ]
+    config = small_config(methods=methods, tasks=["niah"], n={"niah": 2})
+    alone = EvalRunner(word_model, config, tmp_path / "a").run(progress=False, plots=False)
+    config.shared_prefill = True
+    runner = EvalRunner(word_model, config, tmp_path / "b")
+    shared = runner.run(progress=False, plots=False)
+    answers = [(r["method"], r["sample"], r["answer"]) for r in alone["records"]]
+    assert [(r["method"], r["sample"], r["answer"]) for r in shared["records"]] == answers
+    assert shared["header"]["shared_prefill"] is True
+    prompt = needles.build_sample(word_model.tokenizer, "niah", 420, 0, 0, [0.5]).prompt
+    assert sorted(runner._shared_prefixes(prompt, runner.methods)) == sorted(runner.methods[:3])
+
+
 def test_resume_refuses_other_settings(word_model, tmp_path):
     config = small_config(tasks=["sanity"], n={"sanity": 1})
     EvalRunner(word_model, config, tmp_path).run(progress=False, plots=False)

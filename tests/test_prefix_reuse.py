@@ -314,3 +314,55 @@ def test_real_multi_turn_chat_equals_the_dense_reference(smollm2, real_doc, spec
     reference = dense_rows(smollm2, second.ids + tokens[:-1], rule, deep, len(second.ids) - 1)
     assert reference.argmax(-1).tolist() == tokens
     assert torch.allclose(logits, reference, atol=1e-4, rtol=0), (logits - reference).abs().max()
+
+
+@pytest.mark.parametrize(
+    "spec",
+    [
+        "speed:lcut=3,anchors=bos",
+        "speed:lcut=4,anchors=first,deep=3",
+        "speed:lcut=2,anchors=sink:4,deep=turn",
+        "speed:lcut=0,anchors=none",
+        "speed:lcut=6,anchors=bos",
+    ],
+)
+def test_speed_taken_from_a_full_prefill_equals_its_own_prefill(tiny, tiny_engine, spec):
+    ids = random_prompt(DOC + QUESTION, seed=21)
+    policy = make_policy(spec, tiny.shape)
+    sampling = SamplingParams(max_new_tokens=NEW, ignore_eos=True)
+    own = tiny_engine.generate([Request(ids, policy, sampling, None, QUESTION)])[0]
+    full = tiny_engine.prefill(ids, "full")
+    derived = policy.prefix_from_full(full, turn_tokens=QUESTION)
+    deep = policy.rule.deep_tokens(None, QUESTION)
+    assert derived.ids == ids[: len(ids) - deep] and derived.method == policy.spec()
+    request = Request(ids, policy, sampling, None, QUESTION, prefix=derived)
+    taken = tiny_engine.generate([request])[0]
+    assert taken.output_ids == own.output_ids
+    assert taken.reused_tokens == len(ids) - deep
+    # the same entries per layer, so the same KV bytes
+    assert taken.layer_lengths == own.layer_lengths and taken.kv_bytes == own.kv_bytes
+    # and the first token's logits agree to float tolerance
+    kept = len(derived.ids)
+    mine = tiny_engine.prefill_ids(ids, policy.fresh(), turn_tokens=QUESTION).logits
+    theirs = tiny_engine.prefill_ids(
+        ids[kept:], policy.fresh(), turn_tokens=QUESTION, base=derived.cache, start=kept
+    ).logits
+    assert torch.allclose(mine, theirs, atol=1e-4, rtol=0), (mine - theirs).abs().max()
+    # the full cache it came from is left as it was
+    again = tiny_engine.generate([Request(ids, make_policy("full", tiny.shape), sampling)])[0]
+    assert (
+        tiny_engine.generate(
+            [Request(ids, make_policy("full", tiny.shape), sampling, prefix=full)]
+        )[0].output_ids
+        == again.output_ids
+    )
+
+
+def test_speed_is_taken_only_from_full_attention_and_not_for_selfonly(tiny, tiny_engine):
+    ids = random_prompt(DOC, seed=22)
+    speed = tiny_engine.prefill(ids, "speed:lcut=3,anchors=bos")
+    with pytest.raises(UserError, match="full-attention"):
+        make_policy("speed:lcut=2", tiny.shape).prefix_from_full(speed)
+    full = tiny_engine.prefill(ids, "full")
+    with pytest.raises(UserError, match="selfonly"):
+        make_policy("speed:lcut=2,selfonly=true", tiny.shape).prefix_from_full(full)

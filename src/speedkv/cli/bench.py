@@ -80,7 +80,7 @@ commands = typer.Typer()
 @commands.command()
 def bench(
     model: Model = "smollm2-135m",
-    methods: BenchMethods = "full;speed:lcut=22,anchors=bos",
+    methods: BenchMethods = "full;speed",
     lengths: Lengths = "1024,2048,4096,8192",
     max_new_tokens: MaxNewTokens = 128,
     repeats: Repeats = 5,
@@ -168,7 +168,7 @@ def vllm_bench(model: str, config, adapter: Path | None, weights: str, out: Path
 @commands.command("bench-reuse")
 def bench_reuse(
     model: Model = "smollm2-135m",
-    methods: ReusableMethods = "full;speed:lcut=22,anchors=bos;speed:lcut=22,anchors=bos,deep=turn",
+    methods: ReusableMethods = "full;speed;speed:deep=turn",
     lengths: Lengths = "1024,2048,4096",
     questions: Annotated[
         int,

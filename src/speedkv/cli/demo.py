@@ -7,28 +7,31 @@ import json
 from collections.abc import Sequence
 from functools import partial
 from pathlib import Path
+from typing import Annotated
 
 import typer
 
 from speedkv.bench.memory import peak_rss_bytes, reset_peak_rss
 from speedkv.cli.common import load, set_threads
 from speedkv.cli.options import (
+    METHODS_HELP,
     Adapter,
     AsJson,
     Device,
     Dtype,
     MaxNewTokens,
-    Methods,
     Model,
     Prepack,
     PromptTokens,
     Threads,
     Weights,
+    parse_methods,
+    parsed_option,
 )
 from speedkv.core.engine import Engine
-from speedkv.core.registry import MethodSpec, make_policy
+from speedkv.core.registry import MethodSpec, make_policy, parse_spec
 from speedkv.core.sampling import SamplingParams
-from speedkv.hf.loading import LoadedModel
+from speedkv.hf.loading import LoadedModel, demo_method
 from speedkv.log import log as _log
 from speedkv.prompts.haystack import haystack_text, plant
 
@@ -140,7 +143,16 @@ commands = typer.Typer()
 @commands.command()
 def demo(
     model: Model = "smollm2-135m",
-    methods: Methods = "speed:lcut=26,anchors=bos",
+    methods: Annotated[
+        Sequence[MethodSpec] | None,
+        parsed_option(
+            "--methods",
+            parse=parse_methods,
+            metavar="SPECS",
+            help=f"{METHODS_HELP} Default: the model's demo method (SmolLM2: "
+            "speed:lcut=26,anchors=bos; Qwen2.5 and other models: speed, 75 % of the layers).",
+        ),
+    ] = None,
     prompt_tokens: PromptTokens = 3000,
     max_new_tokens: MaxNewTokens = 32,
     adapter: Adapter = None,
@@ -156,4 +168,6 @@ def demo(
     for runs with it and full runs without."""
     set_threads(threads)
     loaded = load(model, dtype, device, weights=weights, prepack=prepack)
+    if methods is None:
+        methods = [parse_spec(demo_method(model))]
     run_demo(loaded, methods, prompt_tokens, max_new_tokens, as_json, adapter)

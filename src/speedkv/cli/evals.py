@@ -33,7 +33,7 @@ commands = typer.Typer()
 @commands.command("eval")
 def eval_command(
     model: Model = "smollm2-135m",
-    methods: Methods = "full;speed:lcut=22,anchors=bos",
+    methods: Methods = "full;speed",
     tasks: Annotated[
         str,
         typer.Option(
@@ -67,6 +67,16 @@ def eval_command(
             help="Put each needle question in a user message of its own after the document's, "
             "as when a cached document is asked: `deep=turn` then keeps only the question deep "
             "(in the default one-message layout it keeps the whole document deep).",
+        ),
+    ] = False,
+    shared_prefill: Annotated[
+        bool,
+        typer.Option(
+            "--shared-prefill",
+            help="Needle tasks: prefill each sample once with full attention; full and every "
+            "SPEED method (not selfonly) start from that cache, since SPEED's lower layers and "
+            "anchors are full attention's. A sweep over cutoffs and anchors then costs about "
+            "one prefill per sample; answers equal separate runs up to rounding.",
         ),
     ] = False,
     split: Annotated[
@@ -107,6 +117,7 @@ def eval_command(
         split=split,
         adapter=str(adapter) if adapter is not None else None,
         question_turn=question_turn,
+        shared_prefill=shared_prefill,
     )
     set_threads(threads)
     runner = EvalRunner(load(model, dtype, device, adapter, weights), config, out)

@@ -85,7 +85,7 @@ commands = typer.Typer()
 def train(
     out: OutDir,
     model: Model = "smollm2-135m",
-    method: TrainMethod = "speed:lcut=22,anchors=bos",
+    method: TrainMethod = "speed",
     data: Annotated[str, typer.Option("--data", help=DATA_HELP)] = "builtin",
     lora_r: LoraRank = 16,
     lora_alpha: Annotated[
@@ -240,7 +240,7 @@ def train_compare(
 @commands.command("train-bench")
 def train_bench(
     model: Model = "smollm2-135m",
-    methods: Methods = "speed:lcut=22,anchors=bos",
+    methods: Methods = "speed",
     seq_len: Annotated[
         int, typer.Option("--seq-len", help="Tokens per example (the longest, with --mix).")
     ] = 2048,

