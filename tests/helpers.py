@@ -24,6 +24,35 @@ def greedy_with_logits(engine: Engine, ids: list[int], policy: Policy, steps: in
     return tokens, torch.stack(rows), cache
 
 
+def check_equals_hf_generate(engine: Engine, ids: list[int], specs: list[str], steps: int):
+    """Each spec's greedy tokens (EOS ignored) are transformers' own greedy tokens."""
+    from speedkv.core.engine import Request
+    from speedkv.core.registry import make_policy
+    from speedkv.core.sampling import SamplingParams
+
+    expected = hf_generate(engine.backbone.hf_model, ids, steps, min_new_tokens=steps)
+    for spec in specs:
+        policy = make_policy(spec, engine.shape)
+        sampling = SamplingParams(max_new_tokens=steps, ignore_eos=True)
+        assert engine.generate([Request(ids, policy, sampling)])[0].output_ids == expected, spec
+
+
+def check_equals_dense(engine: Engine, ids: list[int], spec: str, steps: int, atol: float):
+    """The engine's greedy tokens and logits under a SPEED spec equal the dense reference."""
+    from speedkv.analysis.dense import speed_dense_forward
+    from speedkv.core.registry import make_policy
+
+    policy = make_policy(spec, engine.shape)
+    tokens, logits, _ = greedy_with_logits(engine, ids, policy, steps)
+    rule = policy.rule
+    dense, positions = speed_dense_forward(
+        engine.backbone, torch.tensor(ids + tokens[:-1]), len(ids), rule.lcut, rule.anchors
+    )
+    dense = dense[positions >= len(ids) - 1]
+    assert dense.argmax(-1).tolist() == tokens
+    assert (logits - dense).abs().max() < atol
+
+
 def hf_generate(hf_model, ids: list[int], new: int, **options) -> list[int]:
     """transformers' own greedy `generate` on one prompt: the new token ids (`options` are
     further `generate` arguments, e.g. min_new_tokens=new to ignore EOS)."""

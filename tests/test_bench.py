@@ -99,6 +99,7 @@ def test_bounds_arithmetic():
     add_bounds(cells, limits, weight_bytes=9_999_800)
     full, hf = cells
     assert full["tpot_bound_s"] == pytest.approx(0.01)  # (9_999_800 + 200) / 1e9
+    assert full["kv_read_share"] == pytest.approx(200 / 10_000_000)
     assert full["tpot_x_bound"] == pytest.approx(2.0) and hf["tpot_x_bound"] == pytest.approx(4.0)
     assert full["ttft_bound_s"] == hf["ttft_bound_s"] == pytest.approx(4.0)
     assert hf["ttft_x_bound"] == pytest.approx(2.5)

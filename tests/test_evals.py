@@ -62,6 +62,13 @@ def test_samples_follow_the_seed_and_keep_needles_across_lengths(tokenizer):
     assert a.expected != other.expected and a.prompt.ids != other.prompt.ids
 
 
+def test_a_needle_prompt_longer_than_the_eval_split_reads_it_again(tokenizer):
+    sample = needles.build_sample(tokenizer, "niah", 32704, 0, seed=0, depths=[0.5])
+    assert 32704 - 6 <= len(sample.prompt.ids) <= 32704  # the split holds about 20K tokens
+    text = tokenizer.decode(sample.prompt.ids)
+    assert text.count(sample.facts[0]["text"]) == 1  # the essays repeat, the needle does not
+
+
 def test_haystack_comes_from_the_eval_split(tokenizer):
     sample = needles.build_sample(tokenizer, "niah", 800, 0, seed=0, depths=DEPTHS)
     eval_text = " ".join(essays()[n] for n in split_names("eval"))

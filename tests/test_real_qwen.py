@@ -2,18 +2,15 @@
 tied embeddings, a tokenizer that adds no BoS token) against HF greedy and the dense reference."""
 
 import pytest
-import torch
 
-from speedkv.analysis.dense import speed_dense_forward
-from speedkv.core.engine import Engine, Request
+from speedkv.core.engine import Engine
 from speedkv.core.registry import make_policy
-from speedkv.core.sampling import SamplingParams
 from speedkv.errors import UserError
 from speedkv.hf.text import encode_prompt
 from speedkv.methods.speed import NO_BOS_DEFAULT, parse_anchors
 from speedkv.prompts.haystack import haystack_text
 
-from helpers import greedy_with_logits
+from helpers import check_equals_dense, check_equals_hf_generate
 
 pytestmark = pytest.mark.real_model
 
@@ -48,38 +45,13 @@ def test_qwen_prompts_have_no_bos_so_bos_anchors_are_refused(qwen, prompt_ids):
     assert default.rule.anchors == parse_anchors(NO_BOS_DEFAULT)
 
 
-def test_full_and_uncut_speed_equal_hf_generate(qwen, engine, prompt_ids):
-    steps = 12
-    out = qwen.hf_model.generate(
-        torch.tensor([prompt_ids]),
-        attention_mask=torch.ones(1, len(prompt_ids), dtype=torch.long),
-        max_new_tokens=steps,
-        min_new_tokens=steps,
-        do_sample=False,
-    )
-    expected = out[0, len(prompt_ids) :].tolist()
-    for spec in ("full", "speed:lcut=24,anchors=first", "speed:lcut=24,anchors=none"):
-        request = Request(
-            prompt_ids,
-            make_policy(spec, qwen.shape),
-            SamplingParams(max_new_tokens=steps, ignore_eos=True),
-        )
-        assert engine.generate([request])[0].output_ids == expected, spec
+def test_full_and_uncut_speed_equal_hf_generate(engine, prompt_ids):
+    specs = ["full", "speed:lcut=24,anchors=first", "speed:lcut=24,anchors=none"]
+    check_equals_hf_generate(engine, prompt_ids, specs, steps=12)
 
 
 @pytest.mark.parametrize(
-    "spec, lcut, anchors",
-    [
-        ("speed:lcut=18", 18, parse_anchors(NO_BOS_DEFAULT)),
-        ("speed:lcut=21,anchors=sink:4", 21, 4),
-        ("speed:lcut=12,anchors=none", 12, 0),
-    ],
+    "spec", ["speed:lcut=18", "speed:lcut=21,anchors=sink:4", "speed:lcut=12,anchors=none"]
 )
-def test_speed_equals_dense_reference(qwen, engine, prompt_ids, spec, lcut, anchors):
-    policy = make_policy(spec, qwen.shape)
-    tokens, logits, _ = greedy_with_logits(engine, prompt_ids, policy, steps=6)
-    ids = torch.tensor(prompt_ids + tokens[:-1])
-    dense, positions = speed_dense_forward(qwen.backbone, ids, len(prompt_ids), lcut, anchors)
-    dense = dense[positions >= len(prompt_ids) - 1]
-    assert dense.argmax(-1).tolist() == tokens
-    assert (logits - dense).abs().max() < 1e-3
+def test_speed_equals_dense_reference(engine, prompt_ids, spec):
+    check_equals_dense(engine, prompt_ids, spec, steps=6, atol=1e-3)

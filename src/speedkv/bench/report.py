@@ -39,15 +39,16 @@ def fmt(value: float | None, spec: str, scale: float = 1.0) -> str:
 def markdown_table(result: dict) -> str:
     """Medians per cell, each ratio taken against full in the same repeat."""
     lines = [
-        "| method | tokens | TTFT s | TTFT/limit | TPOT ms | TPOT/limit | KV MiB | KV end MiB "
-        "| peak RSS GiB | TTFT x | TPOT x | KV x | FLOPs x |",
-        "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
+        "| method | tokens | TTFT s | TTFT/limit | TPOT ms | TPOT/limit | KV read share "
+        "| KV MiB | KV end MiB | peak RSS GiB | TTFT x | TPOT x | KV x | FLOPs x |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
     for c in result["cells"]:
         lines.append(
             f"| `{c['method']}` | {c['length']} | {fmt(c['ttft_s'], '.3f')} | "
             f"{fmt(c.get('ttft_x_bound'), '.2f')} | {fmt(c['tpot_s'], '.1f', 1e3)} | "
-            f"{fmt(c.get('tpot_x_bound'), '.2f')} | {fmt(c['kv_bytes'], '.2f', 2**-20)} | "
+            f"{fmt(c.get('tpot_x_bound'), '.2f')} | {fmt(c.get('kv_read_share'), '.0%')} | "
+            f"{fmt(c['kv_bytes'], '.2f', 2**-20)} | "
             f"{fmt(c['kv_bytes_final'], '.2f', 2**-20)} | "
             f"{fmt(c['peak_rss_bytes'], '.2f', 2**-30)} | {fmt(c['ttft_ratio'], '.3f')} | "
             f"{fmt(c['tpot_ratio'], '.3f')} | {fmt(c['kv_ratio'], '.3f')} | "
@@ -133,6 +134,7 @@ def limits_sentence(result: dict) -> str:
     return (
         f"Limits measured in the same run: {limits['bandwidth_gb_s']:.1f} GB/s read bandwidth, "
         f"{limits['matmul_tflop_s']:.3f} TFLOP/s {limits['dtype']} matmul, {decode_rule}; "
-        "TTFT/limit is TTFT over prefill FLOPs / matmul rate (1.00 would be the hardware's "
-        "best)."
+        "KV read share is the visible K/V's part of that step limit, what reading less K/V "
+        "can save at most; TTFT/limit is TTFT over prefill FLOPs / matmul rate (1.00 would be "
+        "the hardware's best)."
     )

@@ -325,6 +325,8 @@ def add_bounds(cells: list[dict], limits: MachineLimits, weight_bytes: int) -> N
     for c in cells:
         kv_read = (c["kv_bytes"] + c["kv_bytes_final"]) / 2
         c["tpot_bound_s"] = limits.decode_bound_s(weight_bytes, kv_read)
+        # the part of that bound spent reading K/V: what a method that reads less can save
+        c["kv_read_share"] = limits.decode_bound_s(0, kv_read) / c["tpot_bound_s"]
         flops = c["flops_prefill"]
         if flops is None:
             flops = full_flops.get(c["length"])
