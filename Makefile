@@ -66,17 +66,19 @@ bench-qwen: qwen
 		--lengths 4096,8192,16384,32704 --max-new-tokens 64 --repeats 2 --out benchmarks/qwen2.5 \
 		--resume --readme benchmarks/qwen2.5/README.md
 
-# Qwen2.5's anchor study (docs/qwen.md): single-needle retrieval for full and SPEED at 18 and 21
-# of 24 layers with each anchor candidate. One full prefill per sample serves every variant
-# (--shared-prefill). Resumable; 8K takes about 15 min, 16K 30 min, 32K (5 samples) 35 min.
-QWEN_ANCHOR_METHODS := full;speed:lcut=18,anchors=first;speed:lcut=18,anchors=sink:4;speed:lcut=18,anchors=none;speed:lcut=21,anchors=first;speed:lcut=21,anchors=sink:4;speed:lcut=21,anchors=none
-QWEN_EVAL := $(VENV)/bin/speedkv eval --model $(QWEN) --dtype bfloat16 --tasks niah --seed 0 \
+# Qwen2.5's anchor study (docs/qwen.md): single-needle retrieval for full and SPEED at 18, 21 and
+# 23 of 24 layers with each anchor candidate, and fidelity at 1K (the held-out twin of
+# choose-lcut's calibration) and 8K. One full prefill per needle sample serves every variant
+# (--shared-prefill). Resumable; 1K+8K take about 30 min, 16K 25 min, 32K (5 samples) 35 min.
+QWEN_ANCHOR_METHODS := full;speed:lcut=18,anchors=first;speed:lcut=18,anchors=sink:4;speed:lcut=18,anchors=none;speed:lcut=21,anchors=first;speed:lcut=21,anchors=sink:4;speed:lcut=21,anchors=none;speed:lcut=23,anchors=first
+QWEN_EVAL := $(VENV)/bin/speedkv eval --model $(QWEN) --dtype bfloat16 --seed 0 \
 	--methods "$(QWEN_ANCHOR_METHODS)" --shared-prefill --resume
 .PHONY: eval-qwen
 eval-qwen: qwen
-	$(QWEN_EVAL) --lengths 8192 --samples niah=10 --out runs/eval-qwen/8k
-	$(QWEN_EVAL) --lengths 16384 --samples niah=10 --out runs/eval-qwen/16k
-	$(QWEN_EVAL) --lengths 32704 --samples niah=5 --out runs/eval-qwen/32k
+	$(QWEN_EVAL) --tasks fidelity --lengths 1024 --samples fidelity=4 --out runs/eval-qwen/1k
+	$(QWEN_EVAL) --tasks niah,fidelity --lengths 8192 --samples niah=10,fidelity=4 --out runs/eval-qwen/8k
+	$(QWEN_EVAL) --tasks niah --lengths 16384 --samples niah=10 --out runs/eval-qwen/16k
+	$(QWEN_EVAL) --tasks niah --lengths 32704 --samples niah=5 --out runs/eval-qwen/32k
 
 # Quality tables in docs/results.md: every method on needle, fidelity and sanity tasks at 2K and
 # 4K tokens (about 2.5 h of runs here). Resumable: rerun after an interruption to continue.

@@ -458,3 +458,17 @@ def test_loss_plot_of_a_run_shorter_than_one_log_interval(tmp_path):
     path = tmp_path / "loss.png"
     plot_history([{"step": 0, "probe_ppl": 30.0, "probe_passkey_acc": 0.5}], path, "tiny")
     assert path.stat().st_size > 1000
+
+
+def test_a_run_shorter_than_one_log_interval_still_logs_its_loss(tmp_path):
+    """--steps 2 with --log-every 5 logs at step 2, so the run's summary has a loss and a
+    speed (it once printed 'None tokens/s, final loss None')."""
+    from speedkv.train.trainer import TrainConfig, training_arguments
+
+    def logging_steps(steps, epochs=1):
+        config = TrainConfig(out=str(tmp_path), steps=steps, epochs=epochs, log_every=5)
+        return training_arguments(config, tmp_path, device="cpu").logging_steps
+
+    assert logging_steps(2) == 2
+    assert logging_steps(600) == 5
+    assert logging_steps(None) == 5  # by epochs: the step count is not known up front

@@ -194,8 +194,8 @@ def train(
         return
     minutes = record["wall_time_s"] / 60
     log(
-        f"{record['steps']} steps in {minutes:.1f} min, {record['tokens_per_s']} tokens/s, "
-        f"final loss {record['final_loss']}"
+        f"{record['steps']} steps in {minutes:.1f} min, {_shown(record['tokens_per_s'])} "
+        f"tokens/s, final loss {_shown(record['final_loss'])}"
     )
     print(f"adapter: {out}  (use it with --adapter {out})")
 
@@ -312,3 +312,7 @@ def train_bench(
         "(medians of interleaved steps; speed-ups are against full, measured in this run; "
         "work = layer-token rows against full)"
     )
+
+
+def _shown(value: float | None) -> str:
+    return "n/a" if value is None else str(value)

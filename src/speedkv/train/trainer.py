@@ -206,7 +206,8 @@ def training_arguments(config: TrainConfig, out: Path, device: str = "auto"):
         lr_scheduler_type="cosine_with_min_lr",
         lr_scheduler_kwargs={"min_lr_rate": 0.1},
         warmup_steps=config.warmup_steps,
-        logging_steps=config.log_every,
+        # a run shorter than --log-every still logs its loss and speed once
+        logging_steps=min(config.log_every, config.steps) if config.steps else config.log_every,
         save_strategy="steps",
         save_steps=config.save_every,
         bf16=config.bf16,
