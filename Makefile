@@ -163,6 +163,27 @@ results: install
 	$(VENV)/bin/speedkv eval-report runs/eval --command "make results" \
 		--findings docs/results-findings.md --page docs/results.md
 
+# Full-parameter SPEED-aware fine-tuning, the paper's controlled study (docs/training.md): every
+# weight trained with one recipe, seed and budget at full depth, SPEED-22 with and without the
+# BoS anchor, and SPEED-18. Each writes a model directory (hundreds of MB, never committed)
+# that every command takes as --model; re-running a target resumes its run. They share the
+# first run's data mix.
+FULL_TRAIN_RECIPE := --full --model smollm2-135m --data builtin --steps 600 --seq-len 2048 \
+	--lr 5e-5 --distill 0.5 --seed 0 --save-every 50 --probe-every 100 --resume
+FULL_STUDY := full speed22-bos speed22-none speed18-bos
+.PHONY: full-study $(addprefix full-it-,$(FULL_STUDY))
+full-study: $(addprefix full-it-,$(FULL_STUDY))
+
+full-it-full: install
+	$(VENV)/bin/speedkv train --method full --out runs/full-it/full $(FULL_TRAIN_RECIPE)
+
+full-it-speed22-bos full-it-speed22-none full-it-speed18-bos: full-it-speed%: install
+	mkdir -p runs/full-it/speed$*
+	[ -f runs/full-it/speed$*/data.jsonl ] || [ ! -f runs/full-it/full/data.jsonl ] || \
+		cp runs/full-it/full/data.jsonl runs/full-it/speed$*/
+	$(VENV)/bin/speedkv train --method "speed:lcut=$(word 1,$(subst -, ,$*)),anchors=$(word 2,$(subst -, ,$*))" \
+		--out runs/full-it/speed$* $(FULL_TRAIN_RECIPE)
+
 # SPEED-aware LoRA (docs/training.md). One recipe for every run, so SPEED and full-depth LoRA
 # compare fairly; re-running a target resumes its run where it stopped.
 TRAIN_RECIPE := --model smollm2-135m --data builtin --steps 600 --seq-len 2048 --lr 5e-4 \

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import copy
 import json
+import shutil
 import sys
 
 import pytest
@@ -16,6 +17,7 @@ from speedkv.core.registry import make_policy
 from speedkv.errors import UserError
 from speedkv.hf.loading import LoadedModel
 from speedkv.train.forward import SpeedObjective, example_loss, response_logits, visibility_for
+from speedkv.train.weights import FullWeights, LoraWeights
 
 from conftest import random_prompt
 
@@ -44,26 +46,21 @@ def engine_response_logits(engine: Engine, spec: str, prompt: list[int], respons
     return torch.stack(rows)
 
 
-def lora_copy(loaded: LoadedModel, seed: int = 0):
-    """A peft LoRA model on a copy of `loaded`, with random (non-zero) A and B."""
-    from peft import LoraConfig, get_peft_model
+def lora_copy(loaded: LoadedModel, seed: int = 0) -> LoraWeights:
+    """LoRA (r=4) on a copy of `loaded`, its B matrices random so the adapter changes the
+    model's output."""
+    weights = LoraWeights(copy.deepcopy(loaded.hf_model), r=4, alpha=8)
+    generator = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, param in weights.model.named_parameters():
+            if "lora_B" in name:
+                param.copy_(torch.randn(param.shape, generator=generator) * 0.1)
+    return weights
 
-    torch.manual_seed(seed)
-    config = LoraConfig(
-        r=4,
-        lora_alpha=8,
-        target_modules=[
-            "q_proj",
-            "k_proj",
-            "v_proj",
-            "o_proj",
-            "gate_proj",
-            "up_proj",
-            "down_proj",
-        ],
-        init_lora_weights=False,
-    )
-    return get_peft_model(copy.deepcopy(loaded.hf_model), config)
+
+def full_copy(loaded: LoadedModel, teacher: bool = False) -> FullWeights:
+    """Every weight of a copy of `loaded` trainable."""
+    return FullWeights(copy.deepcopy(loaded.hf_model), loaded.tokenizer, teacher=teacher)
 
 
 # -- the forward --------------------------------------------------------------------------------
@@ -83,12 +80,12 @@ def test_lora_training_forward_equals_engine_on_merged_adapter(tiny, tmp_path):
     from speedkv.hf.adapters import apply_adapter
 
     spec = "speed:lcut=3,anchors=bos"
-    peft_model = lora_copy(tiny)
-    peft_model.save_pretrained(tmp_path)
+    weights = lora_copy(tiny)
+    weights.save(tmp_path)
     merged = apply_adapter(tiny, tmp_path)
     prompt, response = random_prompt(30, seed=5), random_prompt(6, seed=6)
     expected = engine_response_logits(Engine(merged, chunk_size=16), spec, prompt, response)
-    objective = SpeedObjective(peft_model, visibility_for(spec, tiny.shape))
+    objective = SpeedObjective(weights, visibility_for(spec, tiny.shape))
     with torch.no_grad():
         got = response_logits(
             objective.backbone, torch.tensor(prompt + response), 30, objective.vis
@@ -133,22 +130,107 @@ def test_upper_layers_run_only_anchors_and_deep_positions(tiny, monkeypatch):
 
 
 @pytest.mark.parametrize("spec", ["speed:lcut=3,anchors=bos", "full"])
-def test_gradients_reach_lora_in_every_layer(tiny, spec):
+@pytest.mark.parametrize("kind", ["lora", "full"])
+def test_gradients_reach_every_layer(tiny, spec, kind):
+    """LoRA: every adapter matrix gets a gradient. Full parameters: every weight of every
+    layer, the embeddings and the final norm do; the teacher copy gets none."""
     from speedkv.train.data import Example
 
-    peft_model = lora_copy(tiny)
-    objective = SpeedObjective(peft_model, visibility_for(spec, tiny.shape), distill=0.5)
+    weights = lora_copy(tiny) if kind == "lora" else full_copy(tiny, teacher=True)
+    objective = SpeedObjective(weights, visibility_for(spec, tiny.shape), distill=0.5)
     ids = torch.tensor(random_prompt(30, seed=8))
     out = objective([Example(ids, 24, None, "test")])
     out["loss"].backward()
     assert out["response_tokens"] == 6 and out["sequence_tokens"] == 30
+    trained = {n: p for n, p in objective.named_parameters() if p.requires_grad}
     for layer in range(tiny.shape.num_layers):
         grads = [
             p.grad
-            for name, p in peft_model.named_parameters()
-            if f"layers.{layer}." in name and "lora_" in name
+            for name, p in trained.items()
+            if f"layers.{layer}." in name and (kind == "full" or "lora_" in name)
         ]
         assert grads and all(g is not None and g.abs().sum() > 0 for g in grads), layer
+    if kind == "full":
+        assert len(trained) == len(list(weights.model.parameters()))
+        assert all(p.grad is not None for p in trained.values())
+        with weights.reference() as teacher:
+            assert all(p.grad is None for p in teacher.hf_model.parameters())
+
+
+def test_activation_checkpointing_recomputes_layers_and_keeps_the_gradients(tiny):
+    """--gradient-checkpointing reaches the SPEED forward (which calls the layers one by one):
+    each layer's forward runs again in the backward pass, and the gradients do not change."""
+    from speedkv.hf.backbone import enable_activation_checkpointing
+    from speedkv.train.data import Example
+
+    example = Example(torch.tensor(random_prompt(40, seed=9)), 30, None, "test")
+    grads, calls = [], []
+    for checkpointing in (False, True):
+        weights = full_copy(tiny)
+        if checkpointing:
+            enable_activation_checkpointing(weights.model)
+        weights.model.train()
+        mlp = weights.model.model.layers[0].mlp
+        count = [0]
+        original = mlp.forward
+
+        def counted(*args, _original=original, _count=count, **kwargs):
+            _count[0] += 1
+            return _original(*args, **kwargs)
+
+        mlp.forward = counted
+        objective = SpeedObjective(weights, visibility_for("speed:lcut=2,anchors=bos", tiny.shape))
+        objective([example])["loss"].backward()
+        calls.append(count[0])
+        grads.append([p.grad.clone() for p in weights.model.parameters()])
+    assert calls == [1, 2]
+    for plain, recomputed in zip(*grads):
+        assert torch.allclose(plain, recomputed, atol=1e-6)
+
+
+def test_full_parameter_training_forward_equals_engine_on_its_saved_model(
+    tiny, smol_tokenizer, tmp_path
+):
+    """What is trained (every weight changed) is what runs: the saved model directory,
+    loaded as --model, gives the engine the training forward's logits."""
+    from speedkv.hf.loading import load_model
+
+    spec = "speed:lcut=3,anchors=bos"
+    weights = FullWeights(copy.deepcopy(tiny.hf_model), smol_tokenizer)
+    with torch.no_grad():  # a trained model: every weight moved
+        generator = torch.Generator().manual_seed(1)
+        for param in weights.model.parameters():
+            param.add_(torch.randn(param.shape, generator=generator) * 0.02)
+    weights.save(tmp_path)
+    saved = load_model(str(tmp_path), dtype="float32", device="cpu", progress=False)
+    prompt, response = random_prompt(30, seed=5), random_prompt(6, seed=6)
+    expected = engine_response_logits(Engine(saved, chunk_size=16), spec, prompt, response)
+    objective = SpeedObjective(weights, visibility_for(spec, tiny.shape))
+    with torch.no_grad():
+        got = response_logits(
+            objective.backbone, torch.tensor(prompt + response), 30, objective.vis
+        )
+    base = engine_response_logits(Engine(tiny, chunk_size=16), spec, prompt, response)
+    assert not torch.allclose(base, expected, atol=1e-2)  # training changed the answer
+    assert torch.allclose(got, expected, atol=1e-4, rtol=0), (got - expected).abs().max()
+
+
+def test_full_parameter_teacher_is_the_starting_model(tiny):
+    """With distillation the teacher stays the untrained model while the student moves."""
+    weights = full_copy(tiny, teacher=True)
+    ids = torch.tensor(random_prompt(20, seed=2))
+    full_rule = visibility_for("full", tiny.shape)
+    with torch.no_grad():
+        before = response_logits(weights.backbone, ids, 15, full_rule)
+        for param in weights.model.parameters():
+            param.mul_(1.1)
+        with weights.reference() as teacher:
+            after_teacher = response_logits(teacher, ids, 15, full_rule)
+        after_student = response_logits(weights.backbone, ids, 15, full_rule)
+    assert torch.equal(before, after_teacher)
+    assert not torch.allclose(before, after_student, atol=1e-3)
+    with pytest.raises(RuntimeError, match="no teacher"), full_copy(tiny).reference():
+        pass
 
 
 def test_loss_is_cross_entropy_kl_mix():
@@ -267,7 +349,7 @@ def test_adapter_method_mismatch_warns_and_shape_mismatch_refuses(tiny, tmp_path
     from speedkv.cli.common import method_mismatch
     from speedkv.hf.adapters import INFO_NAME, apply_adapter, read_adapter_info
 
-    lora_copy(tiny).save_pretrained(tmp_path)
+    lora_copy(tiny).save(tmp_path)
     spec = "speed:lcut=3,anchors=bos,deep=1,selfonly=false"
     record = {"method": spec, "model_shape": {"num_layers": tiny.shape.num_layers}}
     (tmp_path / INFO_NAME).write_text(json.dumps(record))
@@ -373,8 +455,6 @@ def test_a_run_trains_checkpoints_and_resumes_exactly(tiny_model_dir, tmp_path):
         run_training(changed, resume=True)
 
     # lose everything after step 2, resume: the same adapter comes out
-    import shutil
-
     shutil.rmtree(out / "checkpoints" / "checkpoint-4")
     (out / "adapter_model.safetensors").unlink()
     resumed = run_training(config(out), resume=True)
@@ -383,6 +463,106 @@ def test_a_run_trains_checkpoints_and_resumes_exactly(tiny_model_dir, tmp_path):
     assert finished.keys() == again.keys()
     for key in finished:
         assert torch.allclose(finished[key], again[key], atol=1e-6), key
+
+
+def model_weights(path) -> dict:
+    from safetensors.torch import load_file
+
+    return load_file(str(path / "model.safetensors"))
+
+
+def test_a_full_parameter_run_trains_checkpoints_resumes_and_loads_as_a_model(
+    tiny_model_dir, tmp_path
+):
+    """--full: every weight moves, checkpoints hold the model, a resumed run ends with the
+    same weights, and the result is a model directory (not an adapter)."""
+    from speedkv.hf.adapters import read_adapter_info
+    from speedkv.hf.loading import load_model
+    from speedkv.train.trainer import TrainConfig, run_training
+
+    def config(out):
+        return TrainConfig(
+            out=str(out),
+            model=str(tiny_model_dir),
+            method="speed:lcut=2,anchors=bos",
+            data="builtin",
+            steps=4,
+            seq_len=512,
+            save_every=2,
+            log_every=2,
+            probe_every=4,
+            distill=0.5,
+            bf16=False,
+            lr=1e-3,
+            save_dtype="float32",
+            full_parameters=True,
+            gradient_checkpointing=True,
+        )
+
+    out = tmp_path / "run"
+    record = run_training(config(out))
+    assert record["status"] == "done" and record["steps"] == 4
+    assert record["format"] == "speedkv-model/1" and "lora" not in record
+    start = load_model(str(tiny_model_dir), dtype="float32", device="cpu", progress=False)
+    parameters = sum(p.numel() for p in start.hf_model.parameters())
+    assert record["full_parameters"]["trainable_parameters"] == parameters
+    assert record["recipe"]["gradient_checkpointing"] is True
+    assert [h["step"] for h in record["log_history"] if "loss" in h] == [2, 4]
+    assert all(h["kl"] > 0 for h in record["log_history"] if "loss" in h)  # a teacher ran
+    assert [h["step"] for h in record["log_history"] if "probe_ppl" in h] == [0, 4]
+    for name in ("config.json", "model.safetensors", "tokenizer.json", "training.json"):
+        assert (out / name).is_file(), name
+    assert not (out / "adapter_config.json").exists()
+    assert (out / "checkpoints" / "checkpoint-2" / "model.safetensors").is_file()
+    finished = model_weights(out)
+    before = start.hf_model.state_dict()
+    moved = [k for k in finished if not torch.allclose(finished[k], before[k])]
+    assert len(moved) == len(finished)  # every saved tensor was trained
+
+    trained = load_model(str(out), dtype="float32", device="cpu", progress=False)
+    assert trained.shape == start.shape
+    with pytest.raises(UserError, match="is a model directory"):
+        read_adapter_info(out)
+
+    shutil.rmtree(out / "checkpoints" / "checkpoint-4")
+    (out / "model.safetensors").unlink()
+    resumed = run_training(config(out), resume=True)
+    assert resumed["steps"] == 4
+    again = model_weights(out)
+    for key in finished:
+        assert torch.allclose(finished[key], again[key], atol=1e-5), key
+
+
+def test_full_parameter_training_refuses_what_it_cannot_do(
+    tiny_model_dir, monkeypatch, capsys, tmp_path
+):
+    """LoRA options with --full, a model that is not a causal LM, and a run that cannot fit
+    in memory: one sentence each, exit 2."""
+    from transformers import BertConfig, BertModel
+
+    from speedkv.cli import app as cli
+
+    bert = tmp_path / "bert"
+    BertModel(BertConfig(hidden_size=32, num_hidden_layers=1, num_attention_heads=2,
+                         intermediate_size=37, vocab_size=99)).save_pretrained(bert)  # fmt: skip
+    cases = [
+        (["--lora-r", "8"], "--full trains every weight; --lora-r applies to LoRA only"),
+        (["--lora-alpha", "8", "--target-modules", "q_proj"], "--lora-alpha, --target-modules"),
+        (["--model", str(bert)], "model architecture 'bert' is not supported"),
+        (
+            ["--model", str(tiny_model_dir), "--batch", "100000", "--seq-len", "2048"],
+            "full-parameter training of",
+        ),
+    ]
+    for extra, message in cases:
+        out = tmp_path / f"x{len(extra)}"
+        argv = ["speedkv", "train", "--full", "--out", str(out), "--threads", "1", *extra]
+        monkeypatch.setattr(sys, "argv", argv)
+        with pytest.raises(SystemExit) as stop:
+            cli.main()
+        err = capsys.readouterr().err
+        assert stop.value.code == 2 and message in err and "Traceback" not in err, err
+        assert "available; use --gradient-checkpointing" in err or "--batch" not in extra
 
 
 def test_cli_rejects_bad_training_options_before_loading(monkeypatch, capsys, tmp_path):

@@ -22,6 +22,8 @@ from speedkv.cli.options import (
 )
 from speedkv.core.registry import MethodSpec
 from speedkv.errors import UserError
+from speedkv.train.trainer import DEFAULT_LR, TrainConfig
+from speedkv.train.weights import DEFAULT_TARGETS
 
 DATA_HELP = (
     "'builtin' (needles, passkeys, key-value lookups, variable tracking, continuation, short "
@@ -64,7 +66,25 @@ TrainMethod = Annotated[
         "same LoRA without SPEED, the fair baseline).",
     ),
 ]
-LoraRank = Annotated[int, typer.Option("--lora-r", help="LoRA rank.")]
+LoraRank = Annotated[
+    int | None, typer.Option("--lora-r", help="LoRA rank (default 16; not with --full).")
+]
+FullParameters = Annotated[
+    bool,
+    typer.Option(
+        "--full",
+        help="Train every weight (full-parameter fine-tuning) instead of LoRA adapters; the "
+        "result is a model directory that every command takes as --model.",
+    ),
+]
+GradientCheckpointing = Annotated[
+    bool,
+    typer.Option(
+        "--gradient-checkpointing",
+        help="Recompute each layer's activations in the backward pass: less memory, about a "
+        "third more time.",
+    ),
+]
 Bf16 = Annotated[
     bool | None,
     typer.Option("--bf16/--no-bf16", help="bf16 autocast (default: on where bf16 is fast)."),
@@ -73,8 +93,9 @@ Distill = Annotated[
     float,
     typer.Option(
         "--distill",
-        help="Weight in [0, 1] of KL to the frozen full-depth model (adapter off) on the "
-        "response tokens; the rest is cross-entropy.",
+        help="Weight in [0, 1] of KL to the untrained model at full depth (adapter off, or "
+        "with --full a frozen copy of the starting weights) on the response tokens; the rest "
+        "is cross-entropy.",
     ),
 ]
 
@@ -87,21 +108,33 @@ def train(
     model: Model = "smollm2-135m",
     method: TrainMethod = "speed",
     data: Annotated[str, typer.Option("--data", help=DATA_HELP)] = "builtin",
-    lora_r: LoraRank = 16,
+    full_parameters: FullParameters = False,
+    lora_r: LoraRank = None,
     lora_alpha: Annotated[
-        int, typer.Option("--lora-alpha", help="LoRA alpha (scale alpha/r).")
-    ] = 32,
-    lora_dropout: Annotated[float, typer.Option("--lora-dropout", help="LoRA dropout.")] = 0.0,
+        int | None, typer.Option("--lora-alpha", help="LoRA alpha, scale alpha/r (default 32).")
+    ] = None,
+    lora_dropout: Annotated[
+        float | None, typer.Option("--lora-dropout", help="LoRA dropout (default 0).")
+    ] = None,
     target_modules: Annotated[
-        Sequence[str],
+        Sequence[str] | None,
         parsed_option(
             "--target-modules",
             parse=_modules,
             metavar="NAMES",
-            help="Comma-separated module names that get LoRA adapters.",
+            help="Comma-separated module names that get LoRA adapters (default: "
+            + ",".join(DEFAULT_TARGETS)
+            + ").",
         ),
-    ] = "q_proj,k_proj,v_proj,o_proj,gate_proj,up_proj,down_proj",
-    lr: Annotated[float, typer.Option("--lr", help="Peak learning rate (AdamW).")] = 5e-4,
+    ] = None,
+    lr: Annotated[
+        float | None,
+        typer.Option(
+            "--lr",
+            help=f"Peak learning rate (AdamW; default {DEFAULT_LR['lora']:g} for LoRA, "
+            f"{DEFAULT_LR['full']:g} with --full).",
+        ),
+    ] = None,
     steps: Annotated[
         int | None,
         typer.Option("--steps", help="Optimizer steps (default: --epochs passes over the data)."),
@@ -141,18 +174,24 @@ def train(
     ] = 0,
     save_dtype: Annotated[
         str,
-        typer.Option("--save-dtype", help="dtype of the final adapter: bfloat16 or float32."),
+        typer.Option(
+            "--save-dtype", help="dtype of the final adapter or model: bfloat16 or float32."
+        ),
     ] = "bfloat16",
+    gradient_checkpointing: GradientCheckpointing = False,
     device: Device = "auto",
     threads: Threads = 0,
     resume: Annotated[bool, typer.Option("--resume", help="Continue the run in --out.")] = False,
     as_json: AsJson = False,
 ) -> None:
-    """SPEED-aware LoRA fine-tuning: prompt positions shallow, response positions deep,
-    loss on the response. The run (adapter, checkpoints, training.json) goes to --out, where
-    --resume continues it. Scales to several GPUs with `accelerate launch`."""
+    """SPEED-aware fine-tuning, LoRA or (--full) every weight: prompt positions shallow,
+    response positions deep, loss on the response. The run (adapter or model, checkpoints,
+    training.json) goes to --out, where --resume continues it. Scales to several GPUs with
+    `accelerate launch`."""
     from speedkv.train.data import parse_mix
-    from speedkv.train.trainer import TrainConfig, log, run_training
+    from speedkv.train.trainer import log, run_training
+
+    lora = _lora_options(full_parameters, lora_r, lora_alpha, lora_dropout, target_modules)
 
     if device not in ("auto", "cpu", "cuda"):
         raise UserError(
@@ -164,11 +203,8 @@ def train(
         model=model,
         method=method.text,
         data=data,
-        lora_r=lora_r,
-        lora_alpha=lora_alpha,
-        lora_dropout=lora_dropout,
-        target_modules=list(target_modules),
-        lr=lr,
+        **lora,
+        lr=lr if lr is not None else DEFAULT_LR["full" if full_parameters else "lora"],
         steps=steps,
         epochs=epochs,
         examples=examples,
@@ -184,6 +220,8 @@ def train(
         log_every=log_every,
         probe_every=probe_every,
         save_dtype=save_dtype,
+        full_parameters=full_parameters,
+        gradient_checkpointing=gradient_checkpointing,
     ).validate()
     if parse_mix(data) is None:  # a .jsonl file: unreadable or binary fails before any loading
         read_text_file(Path(data), "data file")
@@ -197,7 +235,10 @@ def train(
         f"{record['steps']} steps in {minutes:.1f} min, {_shown(record['tokens_per_s'])} "
         f"tokens/s, final loss {_shown(record['final_loss'])}"
     )
-    print(f"adapter: {out}  (use it with --adapter {out})")
+    if full_parameters:
+        print(f"model: {out}  (use it with --model {out})")
+    else:
+        print(f"adapter: {out}  (use it with --adapter {out})")
 
 
 @commands.command("train-compare")
@@ -254,18 +295,24 @@ def train_bench(
     batch: Annotated[int, typer.Option("--batch", help="Examples in the measured batch.")] = 2,
     repeats: Annotated[int, typer.Option("--repeats", help="Measured steps per method.")] = 3,
     distill: Distill = 0.0,
-    lora_r: LoraRank = 16,
+    full_parameters: FullParameters = False,
+    lora_r: LoraRank = None,
+    gradient_checkpointing: GradientCheckpointing = False,
     seed: Seed = 0,
     bf16: Bf16 = None,
     device: Device = "auto",
     threads: Threads = 0,
     as_json: AsJson = False,
 ) -> None:
-    """Tokens/s of a SPEED training step against a full one on the same batch."""
+    """Tokens/s and peak memory of a SPEED training step against a full one on the same
+    batch, LoRA or (--full) every weight."""
     from speedkv.train.data import DEFAULT_WEIGHTS, build_mix, tokenize_all
     from speedkv.train.forward import check_trainable, visibility_for
     from speedkv.train.stepbench import fixed_batch, measure_step_speed
-    from speedkv.train.trainer import TrainConfig, lora_model
+    from speedkv.train.trainer import trained_weights
+
+    lora = _lora_options(full_parameters, lora_r, None, None, None)
+    lora["lora_alpha"] = 2 * lora["lora_r"]
 
     wanted = [check_trainable(m) for m in ("full", *methods)]
     if repeats < 1 or batch < 1:
@@ -282,11 +329,16 @@ def train_bench(
         examples, _ = tokenize_all(loaded.tokenizer, records, seq_len)
     else:
         examples = fixed_batch(loaded.tokenizer, batch, seq_len, response_len, seed)
-    peft_model = lora_model(
-        loaded.hf_model, TrainConfig(out="", lora_r=lora_r, lora_alpha=2 * lora_r)
+    config = TrainConfig(
+        out="",
+        **lora,
+        distill=distill,
+        full_parameters=full_parameters,
+        gradient_checkpointing=gradient_checkpointing,
     )
     use_bf16 = _bf16_default(bf16, device)
-    result = measure_step_speed(peft_model, rules, examples, repeats, distill, use_bf16)
+    weights = trained_weights(loaded, config)
+    result = measure_step_speed(weights, rules, examples, repeats, distill, use_bf16)
     result["model"] = loaded.name
     result["threads"] = threads
     if as_json:
@@ -295,10 +347,11 @@ def train_bench(
     print(
         f"batch: {result['batch_examples']} examples, {result['batch_tokens']} tokens "
         f"({result['response_tokens']} in responses); bf16 autocast {use_bf16}, "
-        f"distill {distill}"
+        f"distill {distill}; {result['trainable_parameters']:,} trained parameters "
+        f"({'every weight' if full_parameters else 'LoRA'})"
     )
     width = max(len(r["method"]) for r in result["rows"])
-    header = ("step s", "tokens/s", "speed-up", "CPU s", "CPU x", "work")
+    header = ("step s", "tokens/s", "speed-up", "CPU s", "CPU x", "work", "peak GiB")
     print(f"{'method':<{width}}  " + "  ".join(f"{h:>8}" for h in header))
     for row in result["rows"]:
         cells = (row["step_s"], row["tokens_per_s"], row["speedup"], row["cpu_s"])
@@ -307,11 +360,36 @@ def train_bench(
             f"{row['method']:<{width}}  "
             + "  ".join(f"{c:>8{f}}" for c, f in zip(cells, formats))
             + f"  {row['cpu_speedup']:>8.2f}  {row['layer_token_share']:>8.3f}"
+            + f"  {row['peak_rss_gib']:>8.2f}"
         )
     print(
         "(medians of interleaved steps; speed-ups are against full, measured in this run; "
-        "work = layer-token rows against full)"
+        "work = layer-token rows against full; peak = the process's resident memory during "
+        "the method's steps)"
     )
+
+
+def _lora_options(full_parameters: bool, r, alpha, dropout, targets) -> dict:
+    """The LoRA fields of the run's configuration; LoRA options with --full are an error
+    rather than silently unused."""
+    given = {
+        "--lora-r": r, "--lora-alpha": alpha, "--lora-dropout": dropout,
+        "--target-modules": targets,
+    }  # fmt: skip
+    if full_parameters:
+        named = [option for option, value in given.items() if value is not None]
+        if named:
+            raise UserError(
+                f"--full trains every weight; {', '.join(named)} "
+                f"{'applies' if len(named) == 1 else 'apply'} to LoRA only"
+            )
+    defaults = TrainConfig(out="")
+    return {
+        "lora_r": defaults.lora_r if r is None else r,
+        "lora_alpha": defaults.lora_alpha if alpha is None else alpha,
+        "lora_dropout": defaults.lora_dropout if dropout is None else dropout,
+        "target_modules": list(defaults.target_modules if targets is None else targets),
+    }
 
 
 def _shown(value: float | None) -> str:

@@ -19,6 +19,7 @@ from speedkv.hf.loading import LoadedModel
 
 INFO_NAME = "training.json"
 FORMAT = "speedkv-adapter/1"
+MODEL_FORMAT = "speedkv-model/1"  # the training.json of a full-parameter run's model directory
 SHAPE_FIELDS = ("model_type", "num_layers", "hidden_size", "num_heads", "num_kv_heads", "head_dim")
 
 
@@ -36,6 +37,11 @@ def require_peft():
 def read_adapter_info(adapter_dir: str | Path) -> dict:
     """The adapter's training.json ({} for a peft adapter trained elsewhere)."""
     path = Path(adapter_dir)
+    if not (path / "adapter_config.json").is_file() and (path / "config.json").is_file():
+        raise UserError(
+            f"'{adapter_dir}' is a model directory (such as `speedkv train --full` writes), "
+            "not an adapter: pass it as --model"
+        )
     if not (path / "adapter_config.json").is_file():
         raise UserError(
             f"'{adapter_dir}' is not an adapter directory: it has no adapter_config.json "

@@ -97,6 +97,15 @@ def shape_of(config) -> ModelShape:
     )
 
 
+def enable_activation_checkpointing(hf_model: nn.Module) -> None:
+    """transformers' own activation (gradient) checkpointing: each decoder layer's forward is
+    recomputed in the backward pass instead of keeping its activations. It applies to every
+    call of a layer, so `Backbone.hf_layer` (the training forward) is checkpointed too."""
+    enable = getattr(hf_model, "activation_checkpointing_enable", None)  # the newer name
+    enable = enable or hf_model.gradient_checkpointing_enable
+    enable({"use_reentrant": False})  # the kwargs, first under either name
+
+
 def is_t5_style_norm(norm: nn.Module) -> bool:
     return type(norm).__name__ in T5_STYLE_NORMS
 

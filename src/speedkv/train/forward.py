@@ -112,20 +112,22 @@ def example_loss(
 
 
 class SpeedObjective(torch.nn.Module):
-    """The trained model as the HF Trainer (and DDP) see it: a peft model whose forward takes a
+    """The trained model as the HF Trainer (and DDP) see it: the trained weights (a peft
+    model, or the HF model itself for full-parameter training) behind a forward that takes a
     batch of examples and returns the SPEED teacher-forcing loss.
 
     The loss is averaged over the batch's response tokens. With `distill > 0` the teacher is
-    the same model with its adapter disabled, at full depth, without gradients.
+    the untrained model (`weights.reference()`) at full depth, without gradients.
     """
 
-    def __init__(self, peft_model, vis: Visibility, distill: float = 0.0, temperature: float = 1.0):
+    def __init__(self, weights, vis: Visibility, distill: float = 0.0, temperature: float = 1.0):
         super().__init__()
-        self.peft = peft_model
+        self.weights = weights
+        self.model = weights.model  # registered: what the optimizer and DDP see
         self.vis = vis
         self.distill = distill
         self.temperature = temperature
-        self.backbone = Backbone(peft_model.base_model.model)
+        self.backbone = weights.backbone
         self.full = SpeedRule.full(self.backbone.shape.num_layers)
 
     def forward(self, examples: list) -> dict:
@@ -146,7 +148,7 @@ class SpeedObjective(torch.nn.Module):
         student = response_logits(self.backbone, ids, prompt_len, self.vis, *chat)
         teacher = None
         if self.distill > 0:
-            with torch.no_grad(), self.peft.disable_adapter():
-                teacher = response_logits(self.backbone, ids, prompt_len, self.full, *chat)
+            with torch.no_grad(), self.weights.reference() as reference:
+                teacher = response_logits(reference, ids, prompt_len, self.full, *chat)
         targets = example.ids[example.prompt_len :]
         return example_loss(student, targets, teacher, self.distill, self.temperature)

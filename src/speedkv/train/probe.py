@@ -45,16 +45,14 @@ class Probe:
             tokenize_record(tokenizer, continuation(rng, source, seq_len - 256)) for _ in range(n)
         ]
 
-    def merged_copy(self, peft_model) -> LoadedModel:
-        """The model as inference will run it: adapter merged into a copy of the weights, in
-        the dtype the engine would choose."""
-        import copy
+    def inference_model(self, weights) -> LoadedModel:
+        """The model as inference will run it: a copy of the trained weights (an adapter
+        merged in), in the dtype the engine would choose."""
+        from speedkv.hf.loading import resolve_dtype, wrap_model
 
-        from speedkv.hf.loading import resolve_dtype
-
-        merged = copy.deepcopy(peft_model).merge_and_unload().eval()
-        merged.to(resolve_dtype("auto", next(merged.parameters()).device))
-        return LoadedModel("training", merged, self.tokenizer, "")
+        model = weights.inference_copy()
+        model.to(resolve_dtype("auto", next(model.parameters()).device))
+        return wrap_model(model, self.tokenizer, "training", "")
 
     @torch.no_grad()
     def run(self, objective) -> dict:
@@ -62,7 +60,7 @@ class Probe:
         from speedkv.core.registry import make_policy
         from speedkv.core.sampling import SamplingParams
 
-        model = self.merged_copy(objective.peft)
+        model = self.inference_model(objective.weights)
         engine = Engine(model)
         requests = [
             Request(

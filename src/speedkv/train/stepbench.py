@@ -15,10 +15,12 @@ import time
 import torch
 from tqdm import tqdm
 
+from speedkv.bench.memory import peak_rss_bytes, reset_peak_rss
 from speedkv.prompts.builders import raw_passage
 from speedkv.prompts.haystack import sentence_count
 from speedkv.train.data import Example
 from speedkv.train.forward import SpeedObjective, Visibility
+from speedkv.train.weights import trainable_parameters
 
 
 def fixed_batch(
@@ -55,7 +57,7 @@ def layer_token_ratio(shape, vis, batch: list[Example]) -> float:
 
 
 def measure_step_speed(
-    peft_model,
+    weights,
     methods: list[Visibility],
     batch: list[Example],
     repeats: int = 3,
@@ -63,26 +65,28 @@ def measure_step_speed(
     bf16: bool = True,
 ) -> dict:
     """Median step time and tokens/s per method (by canonical spec), plus each one's speed-up
-    over the first method."""
-    objectives = {vis.spec: SpeedObjective(peft_model, vis, distill) for vis in methods}
-    shares = {
-        spec: layer_token_ratio(_shape(peft_model), o.vis, batch) for spec, o in objectives.items()
-    }
+    over the first method. `weights` is what trains (`speedkv.train.weights`)."""
+    objectives = {vis.spec: SpeedObjective(weights, vis, distill) for vis in methods}
+    shape = weights.backbone.shape
+    shares = {spec: layer_token_ratio(shape, o.vis, batch) for spec, o in objectives.items()}
     tokens = sum(int(e.ids.numel()) for e in batch)
     times: dict[str, list[float]] = {spec: [] for spec in objectives}
     cpu: dict[str, list[float]] = {spec: [] for spec in objectives}
+    peak: dict[str, int] = {spec: 0 for spec in objectives}
     rounds = repeats + 1  # the first round warms up and is not counted
     bar = tqdm(total=rounds * len(objectives), desc="training steps", leave=False)
     for round_index in range(rounds):
         for spec, objective in objectives.items():
+            reset_peak_rss()
             start, start_cpu = time.perf_counter(), time.process_time()
             with _autocast(bf16):
                 loss = objective(batch)["loss"]
             loss.backward()
-            peft_model.zero_grad(set_to_none=True)
+            weights.model.zero_grad(set_to_none=True)
             if round_index > 0:
                 times[spec].append(time.perf_counter() - start)
                 cpu[spec].append(time.process_time() - start_cpu)
+            peak[spec] = max(peak[spec], peak_rss_bytes())
             bar.update(1)
     bar.close()
     baseline = next(iter(objectives))
@@ -104,6 +108,9 @@ def measure_step_speed(
                 "cpu_speedup": round(base_cpu / median_cpu, 3),
                 # the work a step does in decoder layers, against full (exact, no timing)
                 "layer_token_share": round(shares[spec], 4),
+                # the whole process at its highest during this method's steps (weights,
+                # gradients, activations; not the optimizer state, which a step leaves alone)
+                "peak_rss_gib": round(peak[spec] / 2**30, 2),
             }
         )
     return {
@@ -114,14 +121,10 @@ def measure_step_speed(
         "repeats": repeats,
         "distill": distill,
         "bf16_autocast": bf16,
+        "weights": weights.kind,
+        "trainable_parameters": trainable_parameters(weights.model),
         "rows": rows,
     }
-
-
-def _shape(peft_model):
-    from speedkv.hf.backbone import shape_of
-
-    return shape_of(peft_model.base_model.model.config)
 
 
 def _autocast(bf16: bool):

@@ -1,17 +1,18 @@
-"""SPEED-aware LoRA training on the HF Trainer.
+"""SPEED-aware training on the HF Trainer: LoRA adapters, or every weight (`full_parameters`).
 
 The Trainer brings what a run needs: AdamW with warm-up and a cosine schedule, gradient
 clipping and accumulation, bf16 autocast, checkpoints with optimizer and RNG state, resuming
 where a run stopped (skipping the batches already seen), and `accelerate launch` for several
 GPUs. What is ours: the model it trains is `SpeedObjective` (the SPEED teacher-forcing loss
-around a peft model), checkpoints hold only the adapter, and the logs carry the loss parts,
-tokens per second, wall time and optional quality probes.
+around the trained weights, `speedkv.train.weights`), checkpoints hold only what is trained,
+and the logs carry the loss parts, tokens per second, wall time and optional quality probes.
 
 Layout of a run directory OUT:
     run.json                the run's configuration (a resumed run must match it)
     data.jsonl              the built-in mix, built once (a meta line, then records)
-    checkpoints/checkpoint-N/   adapter (peft format) + training.json + optimizer state
-    adapter_config.json, adapter_model.safetensors   the final adapter (peft format)
+    checkpoints/checkpoint-N/   what is trained + training.json + optimizer state
+    adapter_config.json, adapter_model.safetensors   LoRA: the final adapter (peft format)
+    config.json, model.safetensors, tokenizer files  full parameters: the trained model
     training.json           how it was trained, the log history, tokens/s, wall time
     loss.png                the loss curve (and probe curves if probes ran)
 """
@@ -30,7 +31,8 @@ from pathlib import Path
 import torch
 
 from speedkv.errors import UserError
-from speedkv.hf.adapters import INFO_NAME, require_peft
+from speedkv.hf.adapters import INFO_NAME
+from speedkv.hf.backbone import enable_activation_checkpointing
 from speedkv.log import log as _log
 from speedkv.train.data import (
     MIN_SEQ_LEN,
@@ -44,11 +46,20 @@ from speedkv.train.data import (
     save_jsonl,
     tokenize_all,
 )
-from speedkv.train.record import adapter_info_record
+from speedkv.train.record import training_record
+from speedkv.train.weights import DEFAULT_TARGETS, FullWeights, LoraWeights
 
-# options a resumed run may change: they decide what is logged and saved, not what is learnt
-RESUMABLE_CHANGES = {"out", "save_every", "log_every", "probe_every", "save_dtype"}
-DEFAULT_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+# options a resumed run may change: they decide what is logged, saved or recomputed, not what
+# is learnt
+RESUMABLE_CHANGES = {
+    "out", "save_every", "log_every", "probe_every", "save_dtype", "gradient_checkpointing",
+}  # fmt: skip
+# full-parameter checkpoints are the whole model plus AdamW's state (16 bytes a parameter):
+# only the newest ones are kept
+FULL_CHECKPOINTS_KEPT = 2
+# peak learning rates: LoRA's adapters start at zero and take large steps; updating every
+# weight of a trained model needs small ones
+DEFAULT_LR = {"lora": 5e-4, "full": 5e-5}
 
 
 @dataclass
@@ -63,7 +74,7 @@ class TrainConfig:
     lora_alpha: int = 32
     lora_dropout: float = 0.0
     target_modules: list[str] = field(default_factory=lambda: list(DEFAULT_TARGETS))
-    lr: float = 5e-4
+    lr: float = DEFAULT_LR["lora"]
     steps: int | None = None  # optimizer steps; None: `epochs` passes over the data
     epochs: float = 1.0
     examples: int | None = None  # size of the built-in mix (default: enough for `steps`)
@@ -79,6 +90,8 @@ class TrainConfig:
     log_every: int = 5
     probe_every: int = 0
     save_dtype: str = "bfloat16"
+    full_parameters: bool = False  # train every weight instead of LoRA adapters
+    gradient_checkpointing: bool = False  # recompute layer activations in the backward pass
 
     def validate(self) -> TrainConfig:
         checks = [
@@ -168,25 +181,22 @@ def load_examples(config: TrainConfig, loaded, out: Path) -> tuple[list[Example]
     return examples, described
 
 
-def lora_model(hf_model, config: TrainConfig):
-    """The model with trainable LoRA adapters on the target modules (peft)."""
-    peft = require_peft()
-    present = {name.rsplit(".", 1)[-1] for name, _ in hf_model.named_modules()}
-    missing = [m for m in config.target_modules if m not in present]
-    if missing:
-        raise UserError(
-            f"target module(s) {', '.join(missing)} not in this model; it has e.g. "
-            f"{', '.join(DEFAULT_TARGETS)}"
+def trained_weights(loaded, config: TrainConfig):
+    """What the run trains: LoRA adapters on `loaded`'s model, or all of its weights."""
+    if config.full_parameters:
+        weights = FullWeights(loaded.hf_model, loaded.tokenizer, teacher=config.distill > 0)
+    else:
+        weights = LoraWeights(
+            loaded.hf_model,
+            config.lora_r,
+            config.lora_alpha,
+            config.lora_dropout,
+            config.target_modules,
+            name=loaded.name,
         )
-    lora = peft.LoraConfig(
-        r=config.lora_r,
-        lora_alpha=config.lora_alpha,
-        lora_dropout=config.lora_dropout,
-        target_modules=list(config.target_modules),
-        bias="none",
-        task_type="CAUSAL_LM",
-    )
-    return peft.get_peft_model(hf_model, lora)
+    if config.gradient_checkpointing:
+        enable_activation_checkpointing(loaded.hf_model)
+    return weights
 
 
 def training_arguments(config: TrainConfig, out: Path, device: str = "auto"):
@@ -210,6 +220,7 @@ def training_arguments(config: TrainConfig, out: Path, device: str = "auto"):
         logging_steps=min(config.log_every, config.steps) if config.steps else config.log_every,
         save_strategy="steps",
         save_steps=config.save_every,
+        save_total_limit=FULL_CHECKPOINTS_KEPT if config.full_parameters else None,
         bf16=config.bf16,
         use_cpu=_device(device) == "cpu",
         seed=config.seed,
@@ -226,11 +237,11 @@ def training_arguments(config: TrainConfig, out: Path, device: str = "auto"):
 # -- the trainer ------------------------------------------------------------------------------
 def make_trainer_class():
     """The Trainer subclass (built lazily: importing transformers' Trainer is slow)."""
-    from safetensors.torch import load_file
     from transformers import Trainer
 
     class SpeedTrainer(Trainer):
-        """Trainer for `SpeedObjective`: adapter-only checkpoints, loss parts in the logs."""
+        """Trainer for `SpeedObjective`: checkpoints of what is trained, loss parts in the
+        logs."""
 
         run_info: dict = {}
         wall_offset = 0.0
@@ -273,13 +284,12 @@ def make_trainer_class():
             return self.accelerator.unwrap_model(self.model)
 
         def _save(self, output_dir: str | None = None, state_dict=None) -> None:
-            # only the adapter: the base weights never change
+            # only what is trained: an adapter, or the model (float32, to resume exactly)
             output_dir = output_dir or self.args.output_dir
             if not self.args.should_save:
                 return
             os.makedirs(output_dir, exist_ok=True)
-            self.objective.peft.save_pretrained(output_dir, save_embedding_layers=False)
-            Path(output_dir, "README.md").unlink(missing_ok=True)  # peft's empty model card
+            self.objective.weights.save(output_dir)
             record = {
                 **self.run_info,
                 "status": "checkpoint",
@@ -291,13 +301,7 @@ def make_trainer_class():
             Path(output_dir, INFO_NAME).write_text(json.dumps(record, indent=2))
 
         def _load_from_checkpoint(self, resume_from_checkpoint: str, model=None) -> None:
-            from peft import set_peft_model_state_dict
-
-            path = Path(resume_from_checkpoint, "adapter_model.safetensors")
-            if not path.is_file():
-                raise UserError(f"checkpoint '{resume_from_checkpoint}' holds no adapter")
-            target = self.accelerator.unwrap_model(model or self.model).peft
-            set_peft_model_state_dict(target, load_file(str(path)))
+            self.accelerator.unwrap_model(model or self.model).weights.load(resume_from_checkpoint)
 
     return SpeedTrainer
 
@@ -315,6 +319,12 @@ def run_training(
     from speedkv.train.callbacks import progress_callback
     from speedkv.train.forward import SpeedObjective, visibility_for
     from speedkv.train.plots import plot_history
+    from speedkv.train.weights import (
+        available_bytes,
+        check_fits,
+        full_training_bytes,
+        trainable_parameters,
+    )
 
     config.validate()
     warnings.filterwarnings("ignore", message=".*is_gradient_checkpointing.*")  # HF-internal
@@ -337,17 +347,23 @@ def run_training(
             f"seq-len {config.seq_len} is longer than the model's context of "
             f"{loaded.shape.max_positions} tokens"
         )
+    if config.full_parameters:  # before the data is built: a run that cannot fit stops now
+        parts = full_training_bytes(
+            loaded.hf_model, config.seq_len, config.batch, config.distill > 0,
+            config.gradient_checkpointing,
+        )  # fmt: skip
+        check_fits(
+            parts, available_bytes(_device(device)), f"full-parameter training of {loaded.name}"
+        )
     with PartialState().main_process_first():  # one process builds the mix, the rest read it
         examples, data_info = load_examples(config, loaded, out)
     log(
         f"{len(examples)} examples ({data_info['sequence_tokens']} tokens, "
         f"{data_info['response_tokens']} in responses): {data_info['kinds']}"
     )
-    peft_model = lora_model(loaded.hf_model, config)
-    for adapter_config in peft_model.peft_config.values():  # a name, not this machine's path
-        adapter_config.base_model_name_or_path = loaded.name
-    objective = SpeedObjective(peft_model, vis, config.distill, config.distill_temperature)
-    trainable = sum(p.numel() for p in objective.parameters() if p.requires_grad)
+    weights = trained_weights(loaded, config)
+    objective = SpeedObjective(weights, vis, config.distill, config.distill_temperature)
+    trainable = trainable_parameters(objective)
 
     trainer_class = make_trainer_class()
     trainer = trainer_class(
@@ -365,7 +381,7 @@ def run_training(
 
         probe = Probe(loaded.tokenizer, vis, config.seq_len, config.probe_every, config.seed)
         trainer.add_callback(probe_callback(trainer, probe))
-    trainer.run_info = adapter_info_record(
+    trainer.run_info = training_record(
         loaded, vis.spec, config, data_info, trainable, command=command
     )
     if resume and last:
@@ -380,10 +396,11 @@ def run_training(
     history = trainer.state.log_history
     record = _final_record(trainer, history, wall)
     if trainer.args.should_save:  # the main process writes the results
-        _save_final_adapter(peft_model, out, config.save_dtype)
+        weights.save(out, getattr(torch, config.save_dtype))
         (out / INFO_NAME).write_text(json.dumps(record, indent=2))
         plot_history(history, out / "loss.png", f"{loaded.name}, {vis.spec}")
-        log(f"adapter, {INFO_NAME} and loss.png in {out}/")
+        result = "model" if config.full_parameters else "adapter"
+        log(f"{result}, {INFO_NAME} and loss.png in {out}/")
     return record
 
 
@@ -432,17 +449,6 @@ def _last_wall_time(checkpoint: str) -> float:
     """Training time before this session: what the checkpoint recorded."""
     info = Path(checkpoint, INFO_NAME)
     return float(json.loads(info.read_text()).get("wall_time_s", 0.0)) if info.is_file() else 0.0
-
-
-def _save_final_adapter(peft_model, out: Path, save_dtype: str) -> None:
-    """The adapter in peft format; bfloat16 by default (half the size, what inference uses)."""
-    if save_dtype == "bfloat16":
-        for name, param in peft_model.named_parameters():
-            if "lora_" in name:
-                param.data = param.data.to(torch.bfloat16)
-    # embeddings are never trained here; "auto" would look the base model up on the Hub
-    peft_model.save_pretrained(str(out), save_embedding_layers=False)
-    (out / "README.md").unlink(missing_ok=True)  # peft's empty model card; training.json says more
 
 
 class _ListDataset(torch.utils.data.Dataset):
