@@ -398,24 +398,23 @@ def adapter_weights(path) -> dict:
     return load_file(str(path / "adapter_model.safetensors"))
 
 
-def test_a_run_trains_checkpoints_and_resumes_exactly(tiny_model_dir, tmp_path):
-    from speedkv.train.trainer import TrainConfig, run_training
+def tiny_run(model_dir, **options):
+    """The configuration of a 4-step run on the tiny model with checkpoints at step 2 and
+    distillation; `options` override it. Called with `out=` to get one."""
+    from speedkv.train.trainer import TrainConfig
 
-    def config(out):
-        return TrainConfig(
-            out=str(out),
-            model=str(tiny_model_dir),
-            method="speed:lcut=2,anchors=bos",
-            data="builtin",
-            steps=4,
-            seq_len=512,
-            save_every=2,
-            log_every=1,
-            probe_every=2,
-            distill=0.5,
-            bf16=False,
-            save_dtype="float32",
-        )
+    settings = {
+        "model": str(model_dir), "method": "speed:lcut=2,anchors=bos", "data": "builtin",
+        "steps": 4, "seq_len": 512, "save_every": 2, "distill": 0.5, "bf16": False,
+        "save_dtype": "float32", **options,
+    }  # fmt: skip
+    return lambda out: TrainConfig(out=str(out), **settings)
+
+
+def test_a_run_trains_checkpoints_and_resumes_exactly(tiny_model_dir, tmp_path):
+    from speedkv.train.trainer import run_training
+
+    config = tiny_run(tiny_model_dir, log_every=1, probe_every=2)
 
     out = tmp_path / "run"
     record = run_training(config(out))
@@ -478,26 +477,12 @@ def test_a_full_parameter_run_trains_checkpoints_resumes_and_loads_as_a_model(
     same weights, and the result is a model directory (not an adapter)."""
     from speedkv.hf.adapters import read_adapter_info
     from speedkv.hf.loading import load_model
-    from speedkv.train.trainer import TrainConfig, run_training
+    from speedkv.train.trainer import run_training
 
-    def config(out):
-        return TrainConfig(
-            out=str(out),
-            model=str(tiny_model_dir),
-            method="speed:lcut=2,anchors=bos",
-            data="builtin",
-            steps=4,
-            seq_len=512,
-            save_every=2,
-            log_every=2,
-            probe_every=4,
-            distill=0.5,
-            bf16=False,
-            lr=1e-3,
-            save_dtype="float32",
-            full_parameters=True,
-            gradient_checkpointing=True,
-        )
+    config = tiny_run(
+        tiny_model_dir, log_every=2, probe_every=4, lr=1e-3, full_parameters=True,
+        gradient_checkpointing=True,
+    )  # fmt: skip
 
     out = tmp_path / "run"
     record = run_training(config(out))
