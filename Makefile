@@ -67,9 +67,10 @@ bench-qwen: qwen
 		--resume --readme benchmarks/qwen2.5/README.md
 
 # Qwen2.5's anchor study (docs/qwen.md): single-needle retrieval for full and SPEED at 18, 21 and
-# 23 of 24 layers with each anchor candidate, and fidelity at 1K (the held-out twin of
-# choose-lcut's calibration) and 8K. One full prefill per needle sample serves every variant
-# (--shared-prefill). Resumable; 1K+8K take about 30 min, 16K 25 min, 32K (5 samples) 35 min.
+# 23 of 24 layers with each anchor candidate, fidelity at 1K (the held-out twin of
+# choose-lcut's calibration) and 8K, and the short-prompt sanity set. One full prefill per
+# needle sample serves every variant (--shared-prefill). Resumable; 1K+8K take about 30 min,
+# 16K 25 min, 32K (5 samples) 35 min, sanity 5 min.
 QWEN_ANCHOR_METHODS := full;speed:lcut=18,anchors=first;speed:lcut=18,anchors=sink:4;speed:lcut=18,anchors=none;speed:lcut=21,anchors=first;speed:lcut=21,anchors=sink:4;speed:lcut=21,anchors=none;speed:lcut=23,anchors=first
 QWEN_EVAL := $(VENV)/bin/speedkv eval --model $(QWEN) --dtype bfloat16 --seed 0 \
 	--methods "$(QWEN_ANCHOR_METHODS)" --shared-prefill --resume
@@ -79,6 +80,7 @@ eval-qwen: qwen
 	$(QWEN_EVAL) --tasks niah,fidelity --lengths 8192 --samples niah=10,fidelity=4 --out runs/eval-qwen/8k
 	$(QWEN_EVAL) --tasks niah --lengths 16384 --samples niah=10 --out runs/eval-qwen/16k
 	$(QWEN_EVAL) --tasks niah --lengths 32704 --samples niah=5 --out runs/eval-qwen/32k
+	$(QWEN_EVAL) --tasks sanity --out runs/eval-qwen/sanity
 
 # Quality tables in docs/results.md: every method on needle, fidelity and sanity tasks at 2K and
 # 4K tokens (about 2.5 h of runs here). Resumable: rerun after an interruption to continue.
@@ -214,4 +216,15 @@ adapter-speed15 adapter-speed26: adapter-speed%: install
 		cp runs/train/full/data.jsonl runs/train/speed$*-bos/
 	$(VENV)/bin/speedkv train --method "speed:lcut=$*,anchors=bos" --out runs/train/speed$*-bos \
 		$(TRAIN_RECIPE) --threads 1
+
+# Qwen2.5's SPEED-aware adapter (docs/qwen.md): the same recipe on the second family, at its
+# default cutoff (18 of 24) with the anchor measured best for it (about 2 h on 2 free cores).
+QWEN_ADAPTER := adapters/qwen2.5-coder-0.5b-speed18-first
+.PHONY: adapter-qwen
+adapter-qwen: qwen
+	$(VENV)/bin/speedkv train --method "speed:lcut=18,anchors=first" --out runs/train/qwen-speed18-first \
+		$(subst --model smollm2-135m,--model $(QWEN),$(TRAIN_RECIPE))
+	mkdir -p $(QWEN_ADAPTER)
+	cd runs/train/qwen-speed18-first && cp adapter_config.json adapter_model.safetensors \
+		training.json loss.png $(CURDIR)/$(QWEN_ADAPTER)/
 
