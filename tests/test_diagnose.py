@@ -4,6 +4,7 @@ decode path, budgets and CLI errors."""
 
 import json
 import math
+from pathlib import Path
 
 import pytest
 import torch
@@ -221,6 +222,9 @@ def test_expected_savings(tiny):
 
 
 # -- command line -----------------------------------------------------------------------------
+NOT_JSON = str(Path(__file__).resolve().parents[1] / "pyproject.toml")
+
+
 @pytest.mark.parametrize(
     "args, message",
     [
@@ -229,6 +233,8 @@ def test_expected_savings(tiny):
         (["choose-lcut", "--anchors", "last"], "anchors must be"),
         (["choose-lcut", "--adapter", "/tmp/x"], "is not an adapter directory"),
         (["choose-lcut", "--samples", "0"], "samples must be at least 1"),
+        (["choose-lcut", "--plot-with", NOT_JSON], "give --plot PATH too"),
+        (["choose-lcut", "--plot", "x.png", "--plot-with", NOT_JSON], "not choose-lcut's"),
         (["diagnose", "--prompts-file", "/nonexistent.txt"], "does not exist"),
         (["diagnose", "--max-new-tokens", "1"], "--max-new-tokens must be at least 3"),
     ],
@@ -258,3 +264,18 @@ def test_choose_lcut_on_smollm2(smollm2, monkeypatch, capsys):
     assert result["lcut"] in (26, 28, 29, 30)
     assert result["spec"].startswith(f"speed:lcut={result['lcut']},anchors=bos,deep=1")
     assert 0 < result["savings"]["kv_saving"] < 0.2
+
+
+@pytest.mark.real_model
+def test_choose_lcut_plots_sweeps_together(smollm2, tmp_path, monkeypatch, capsys):
+    args = ["choose-lcut", "--samples", "1", "--prompt-tokens", "64", "--continuation-tokens", "8"]
+    args += ["--candidates", "28..30", "--json"]
+    code, out, _ = run_cli([*args, "--anchors", "none"], monkeypatch, capsys, model=smollm2)
+    saved = tmp_path / "none.json"
+    saved.write_text(out)
+    figure = tmp_path / "sweeps.png"
+    plotted = [*args, "--plot", str(figure), "--plot-with", str(saved)]
+    code, out, _ = run_cli(plotted, monkeypatch, capsys, model=smollm2)
+    assert code == 0 and json.loads(out)["anchors_spec"] == "bos"
+    assert json.loads(saved.read_text())["anchors_spec"] == "none"
+    assert figure.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"

@@ -186,6 +186,23 @@ def choose_lcut_command(
             help="Also evaluate every cutoff on its own and report the time ratio (slow).",
         ),
     ] = False,
+    plot: Annotated[
+        Path | None,
+        typer.Option(
+            "--plot",
+            help="Write a figure of agreement and perplexity ratio against the cutoff (PNG).",
+        ),
+    ] = None,
+    plot_with: Annotated[
+        list[Path] | None,
+        typer.Option(
+            "--plot-with",
+            exists=True,
+            dir_okay=False,
+            help="Also draw this earlier sweep (saved from --json) in the --plot figure, e.g. "
+            "the same model with other anchors; repeatable.",
+        ),
+    ] = None,
     dtype: Dtype = "auto",
     device: Device = "auto",
     threads: Threads = 0,
@@ -201,10 +218,16 @@ def choose_lcut_command(
     from speedkv.methods.speed import parse_anchors, resolve_anchors
 
     wanted = parse_budget(budget)
+    if plot_with and plot is None:
+        raise UserError("--plot-with draws into the --plot figure; give --plot PATH too")
+    earlier = [read_sweep(path) for path in plot_with or []]
     if deep < 1:
         raise UserError(f"--deep must be at least 1, got {deep}")
     set_threads(threads)
     loaded = load(model, dtype, device)
+    for path, other in zip(plot_with or [], earlier):
+        if other.get("model") != loaded.name:
+            raise UserError(f"{path} is a sweep of {other.get('model')}, not of {loaded.name}")
     shape = loaded.shape
     anchors = resolve_anchors(anchors, shape)  # the default depends on the model
     num_anchors = parse_anchors(anchors)
@@ -243,7 +266,11 @@ def choose_lcut_command(
         compare_separate,
         reference=loaded if adapted is not None else None,
     )
-    result.update(model=loaded.name, dtype=loaded.dtype_name)
+    result.update(model=loaded.name, dtype=loaded.dtype_name, anchors_spec=anchors)
+    if plot is not None:
+        from speedkv.analysis.cutoff_plots import plot_cutoff_sweeps
+
+        log(f"figure: {plot_cutoff_sweeps([result, *earlier], plot)}")
     chosen = result["lcut"]
     spec = f"speed:lcut={chosen},anchors={anchors},deep={deep}"
     result["spec"] = make_policy(spec, shape).spec() if chosen is not None else None
@@ -251,6 +278,17 @@ def choose_lcut_command(
         print(json.dumps(result))
         return
     print(choice_table(result))
+
+
+def read_sweep(path: Path) -> dict:
+    """An earlier `choose-lcut --json` result, checked enough to plot."""
+    try:
+        result = json.loads(path.read_text())
+    except (UnicodeDecodeError, json.JSONDecodeError) as error:
+        raise UserError(f"{path} is not choose-lcut's JSON output: {error}") from None
+    if not isinstance(result, dict) or not isinstance(result.get("cutoffs"), dict):
+        raise UserError(f"{path} is not choose-lcut's JSON output (no 'cutoffs')")
+    return result
 
 
 def choose_lcut(
