@@ -3,19 +3,24 @@ the runner's records, resume and determinism, the report, and the CLI's errors."
 
 from __future__ import annotations
 
+import copy
 import json
 
 import pytest
 import torch
 
 from speedkv.analysis.dense import speed_dense_forward
+from speedkv.core.engine import Engine, Request
 from speedkv.core.registry import make_policy
+from speedkv.core.sampling import SamplingParams
 from speedkv.errors import UserError
 from speedkv.evals import fidelity, needles, sanity
 from speedkv.evals.documents import Fact, plant_all
 from speedkv.evals.report import metric_table, misses_markdown, percent, results_markdown, summarise
 from speedkv.evals.runner import EvalConfig, EvalRunner
 from speedkv.evals.tasks import DEFAULT_N, parse_depths, parse_n, parse_tasks
+from speedkv.hf.loading import LoadedModel
+from speedkv.hf.text import encode_prompt
 from speedkv.prompts.haystack import essays, sentences, split_names
 
 from conftest import random_prompt
@@ -261,6 +266,73 @@ def test_resume_refuses_other_settings(word_model, tmp_path):
         ).run(resume=True, progress=False)
 
 
+def nudged(model: LoadedModel, name: str) -> LoadedModel:
+    """Another model with the same tokenizer: `model`'s weights plus a little noise."""
+    torch.manual_seed(1)
+    hf = copy.deepcopy(model.hf_model)
+    for weight in hf.parameters():
+        weight.add_(0.05 * torch.randn_like(weight))
+    return LoadedModel(name=name, hf_model=hf, tokenizer=model.tokenizer, source="memory")
+
+
+def test_reference_model_is_what_fidelity_and_sanity_compare_with(word_model, tmp_path):
+    tasks = ["fidelity", "sanity"]
+    other = nudged(word_model, "tiny-words-tuned")
+    config = small_config(tasks=tasks, n={t: 2 for t in tasks}, reference=other.name)
+    result = EvalRunner(word_model, config, tmp_path / "ref", other).run(
+        progress=False, plots=False
+    )
+    assert result["header"]["reference"] == other.name
+    sample = fidelity.build_sample(word_model.tokenizer, 420, 6, 0, 0)
+    full = make_policy("full", word_model.shape)
+
+    def logprobs(model, spec):
+        engine = Engine(model)
+        policy = make_policy(spec, model.shape)
+        return fidelity.teacher_forced_logprobs(engine, sample.prompt, sample.continuation, policy)
+
+    theirs = logprobs(other, "full")
+    for method in result["methods"]:
+        record = next(
+            r
+            for r in result["records"]
+            if (r["task"], r["sample"], r["method"]) == ("fidelity", 0, method)
+        )
+        expected = fidelity.compare(logprobs(word_model, method), theirs, sample.continuation)
+        assert record["agreement"] == expected["agreement"]
+        assert record["kl"] == pytest.approx(expected["kl"], abs=1e-6)
+        assert record["nll_full"] == pytest.approx(expected["nll_full"], abs=1e-6)
+    full_fidelity = [
+        r for r in result["records"] if r["task"] == "fidelity" and r["method"] == "full"
+    ]
+    assert any(r["kl"] > 1e-4 for r in full_fidelity)  # its own full is no longer the yardstick
+    prompt = encode_prompt(word_model.tokenizer, sanity.PROMPTS[1])
+    request = Request(prompt.ids, full, SamplingParams(max_new_tokens=sanity.MAX_NEW_TOKENS))
+    answer = Engine(other).generate([request])[0]
+    for record in (r for r in result["records"] if r["task"] == "sanity" and r["sample"] == 1):
+        assert record["full_answer"] == answer.text
+        assert record["exact"] == (record["output_ids"] == answer.output_ids)
+    # the model as its own reference is the default comparison, record for record
+    config.reference = word_model.name
+    itself = EvalRunner(word_model, config, tmp_path / "self", word_model)
+    config_plain = small_config(tasks=tasks, n={t: 2 for t in tasks})
+    plain = EvalRunner(word_model, config_plain, tmp_path / "plain")
+    assert without_timing(itself.run(progress=False, plots=False)["records"]) == without_timing(
+        plain.run(progress=False, plots=False)["records"]
+    )
+    # a run against a reference does not resume as one without it
+    with pytest.raises(UserError, match="was made with other settings"):
+        EvalRunner(word_model, config_plain, tmp_path / "ref").run(resume=True, progress=False)
+
+
+def test_reference_model_must_share_the_tokenizer(word_model, tmp_path):
+    untokenized = LoadedModel(
+        name="bare", hf_model=word_model.hf_model, tokenizer=None, source="memory"
+    )
+    with pytest.raises(UserError, match="does not share tiny-words's tokenizer"):
+        EvalRunner(word_model, small_config(reference="bare"), tmp_path, untokenized)
+
+
 @pytest.mark.parametrize(
     "overrides, message",
     [
@@ -430,3 +502,13 @@ def test_full_finds_the_pass_key(smollm2, tmp_path):
     )
     result = EvalRunner(smollm2, config, tmp_path).run(progress=False, plots=False)
     assert [r["correct"] for r in result["records"]] == [True, True], result["records"]
+
+
+def test_eval_reference_option_names_the_yardstick(word_model, tmp_path, monkeypatch, capsys):
+    args = ["eval", "--methods", "speed:lcut=2", "--tasks", "sanity", "--samples", "1"]
+    args += ["--reference", "tiny-tuned", "--out", str(tmp_path)]
+    code, stdout, _ = run_cli(args, monkeypatch, capsys, model=word_model)
+    assert code == 0 and "compare with full attention on `tiny-tuned`" in stdout
+    assert (
+        json.loads((tmp_path / "results.json").read_text())["header"]["reference"] == "tiny-tuned"
+    )

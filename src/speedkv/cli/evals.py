@@ -88,6 +88,16 @@ def eval_command(
         bool, typer.Option("--resume", help="Keep the runs already in OUT/records.jsonl.")
     ] = False,
     adapter: Adapter = None,
+    reference: Annotated[
+        str | None,
+        typer.Option(
+            "--reference",
+            metavar="MODEL",
+            help="Fidelity and sanity compare every method with full attention on this model "
+            "(same tokenizer) instead of the evaluated model's own: e.g. a full-depth "
+            "fine-tune, to measure a SPEED-trained model against it.",
+        ),
+    ] = None,
     dtype: Dtype = "auto",
     weights: Weights = "native",
     device: Device = "auto",
@@ -118,9 +128,12 @@ def eval_command(
         adapter=str(adapter) if adapter is not None else None,
         question_turn=question_turn,
         shared_prefill=shared_prefill,
+        reference=reference,
     )
     set_threads(threads)
-    runner = EvalRunner(load(model, dtype, device, adapter, weights), config, out)
+    evaluated = load(model, dtype, device, adapter, weights)
+    against = load(reference, dtype, device) if reference is not None else None
+    runner = EvalRunner(evaluated, config, out, against)
     result = runner.run(resume=resume, log=log)
     if as_json:
         print(json.dumps(result, indent=2))

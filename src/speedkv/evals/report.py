@@ -187,7 +187,15 @@ def overview_table(summary: list[dict]) -> str:
 
 def markdown_tables(result: dict, level: str = "##") -> str:
     tasks = list(dict.fromkeys(r["task"] for r in result["summary"]))
-    return "\n".join(task_tables(result["summary"], task, level) for task in tasks)
+    tables = "\n".join(task_tables(result["summary"], task, level) for task in tasks)
+    reference = result.get("header", {}).get("reference")
+    if reference is None:
+        return tables
+    note = (
+        f"Fidelity and sanity compare with full attention on `{reference}`, not on the "
+        "evaluated model: `full` below is the evaluated model at full depth.\n\n"
+    )
+    return note + tables
 
 
 def misses_markdown(result: dict) -> str:

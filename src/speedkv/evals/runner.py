@@ -65,6 +65,9 @@ class EvalConfig:
     # that cache (SPEED's lower layers and anchors are full attention's), so a sweep over
     # cutoffs and anchors costs about one prefill per sample (equal up to rounding)
     shared_prefill: bool = False
+    # fidelity and sanity compare with full attention on this model instead of the evaluated
+    # one's own (e.g. a full-depth fine-tune against a SPEED-trained one); same tokenizer
+    reference: str | None = None
 
 
 @dataclass(frozen=True)
@@ -77,11 +80,24 @@ class Unit:
 
 
 class EvalRunner:
-    def __init__(self, model: LoadedModel, config: EvalConfig, out: Path):
+    def __init__(
+        self,
+        model: LoadedModel,
+        config: EvalConfig,
+        out: Path,
+        reference: LoadedModel | None = None,
+    ):
         if model.tokenizer is None:
             raise UserError("evaluation needs a model with a tokenizer")
+        if (reference is None) != (config.reference is None):
+            raise ValueError("give the reference model and its name in the config together")
+        if reference is not None:
+            same_tokens(model, reference, config.reference)
         self.model, self.config, self.out = model, config, out
         self.engine = Engine(model)
+        # whose full attention fidelity and sanity compare with: the model's own by default
+        self.reference_engine = Engine(reference) if reference is not None else self.engine
+        self.reference_full = make_policy(FULL, (reference or model).shape)
         specs = list(dict.fromkeys([FULL, *config.methods]))  # full is every task's reference
         policies = [make_policy(spec, model.shape) for spec in specs]
         self.policies: dict[str, Policy] = {p.spec(): p for p in policies}
@@ -163,6 +179,7 @@ class EvalRunner:
             # only when set, so runs made before the option resume as they were
             **({"question_turn": True} if cfg.question_turn else {}),
             **({"shared_prefill": True} if cfg.shared_prefill else {}),
+            **({"reference": cfg.reference} if cfg.reference else {}),
         }
 
     # -- the sweep ---------------------------------------------------------------------------
@@ -336,12 +353,16 @@ class EvalRunner:
         # full's distributions are the reference for every method of this sample: computed
         # once here, whether or not full's own record is still pending
         t0 = time.perf_counter()
-        reference = self._logprobs(FULL, sample)
+        reference = fidelity.teacher_forced_logprobs(
+            self.reference_engine, sample.prompt, sample.continuation, self.reference_full.fresh()
+        )
         full_seconds = time.perf_counter() - t0
+        own_reference = self.reference_engine is self.engine
         for method in methods:
             t0 = time.perf_counter()
-            logprobs = reference if method == FULL else self._logprobs(method, sample)
-            seconds = full_seconds if method == FULL else time.perf_counter() - t0
+            reused = method == FULL and own_reference
+            logprobs = reference if reused else self._logprobs(method, sample)
+            seconds = full_seconds if reused else time.perf_counter() - t0
             metrics = fidelity.compare(logprobs, reference, sample.continuation)
             yield {
                 **base_record(method, unit, len(sample.prompt)),
@@ -365,15 +386,26 @@ class EvalRunner:
 
         prompt = sanity.PROMPTS[unit.index]
         encoded = encode_prompt(self.model.tokenizer, prompt)
-        reference = next(
-            (r for r in records if record_key(r) == (FULL, unit.task, unit.length, unit.index)),
-            None,
-        )
+        own_reference = self.reference_engine is self.engine
+        if own_reference:
+            reference = next(
+                (r for r in records if record_key(r) == (FULL, unit.task, unit.length, unit.index)),
+                None,
+            )
+        else:  # the reference model's greedy answer, made again on every resume (it is short)
+            request = Request(
+                encoded.ids,
+                self.reference_full,
+                SamplingParams(max_new_tokens=sanity.MAX_NEW_TOKENS),
+            )
+            g = self.reference_engine.generate([request])[0]
+            reference = {"output_ids": g.output_ids, "answer": g.text}
         for method in methods:
             t0 = time.perf_counter()
             g = self._generate(method, encoded, sanity.MAX_NEW_TOKENS)
-            full_ids = g.output_ids if method == FULL else reference["output_ids"]
-            full_text = g.text if method == FULL else reference["answer"]
+            mine = method == FULL and own_reference
+            full_ids = g.output_ids if mine else reference["output_ids"]
+            full_text = g.text if mine else reference["answer"]
             record = {
                 **base_record(method, unit, len(encoded.ids)),
                 "prompt": prompt,
@@ -386,7 +418,7 @@ class EvalRunner:
                 "finish_reason": g.finish_reason,
                 "seconds": time.perf_counter() - t0,
             }
-            if method == FULL:
+            if mine:
                 reference = record
             yield record
 
@@ -458,6 +490,18 @@ def _prefill_cost(n: int) -> float:
 
 def _step_cost(n: int) -> float:
     return 1 + n / 1024  # a fixed cost per step, plus reading a cache that grows
+
+
+def same_tokens(model: LoadedModel, reference: LoadedModel, name: str) -> None:
+    """Token-level comparisons need one vocabulary: the same token ids for the same text."""
+    if (
+        reference.tokenizer is None
+        or reference.tokenizer.get_vocab() != model.tokenizer.get_vocab()
+    ):
+        raise UserError(
+            f"reference model {name} does not share {model.name}'s tokenizer; fidelity and "
+            "sanity compare token by token, so it must"
+        )
 
 
 def base_record(method: str, unit: Unit, prompt_tokens: int) -> dict:
