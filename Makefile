@@ -186,6 +186,23 @@ full-it-speed22-bos full-it-speed22-none full-it-speed18-bos: full-it-speed%: in
 	$(VENV)/bin/speedkv train --method "speed:lcut=$(word 1,$(subst -, ,$*)),anchors=$(word 2,$(subst -, ,$*))" \
 		--out runs/full-it/speed$* $(FULL_TRAIN_RECIPE)
 
+# The study's table: each trained model at its own method, the untrained model and the shipped
+# LoRA adapter, on eval essays; fidelity and sanity against the Full-IT model (--reference).
+FULL_EVAL := $(VENV)/bin/speedkv eval --dtype bfloat16 --seed 0 --resume --shared-prefill \
+	--tasks niah,niah_multikey,fidelity,sanity --lengths 2048,4096 \
+	--samples niah=20,niah_multikey=8,fidelity=8,sanity=12 --reference runs/full-it/full
+.PHONY: full-study-eval
+full-study-eval: install
+	$(FULL_EVAL) --model runs/full-it/full --methods full --out runs/full-it-eval/full
+	for run in 22-bos 22-none 18-bos; do \
+		$(FULL_EVAL) --model runs/full-it/speed$$run --out runs/full-it-eval/speed$$run \
+			--methods "speed:lcut=$${run%-*},anchors=$${run#*-}" || exit 1; \
+	done
+	$(FULL_EVAL) --model smollm2-135m --out runs/full-it-eval/untrained \
+		--methods "full;speed:lcut=22,anchors=bos;speed:lcut=22,anchors=none;speed:lcut=18,anchors=bos"
+	$(FULL_EVAL) --model smollm2-135m --adapter $(SPEED22_ADAPTER) --out runs/full-it-eval/lora-speed22-bos \
+		--methods "speed:lcut=22,anchors=bos"
+
 # SPEED-aware LoRA (docs/training.md). One recipe for every run, so SPEED and full-depth LoRA
 # compare fairly; re-running a target resumes its run where it stopped.
 TRAIN_RECIPE := --model smollm2-135m --data builtin --steps 600 --seq-len 2048 --lr 5e-4 \
