@@ -266,6 +266,14 @@ def test_resume_refuses_other_settings(word_model, tmp_path):
         ).run(resume=True, progress=False)
 
 
+def test_sanity_calib_split_has_its_own_prompts(word_model, tmp_path):
+    assert not set(sanity.PROMPTS) & set(sanity.CALIB_PROMPTS)
+    n = len(sanity.CALIB_PROMPTS) + 5  # asking for more than a split has gives all of it
+    config = small_config(tasks=["sanity"], n={"sanity": n}, split="calib", methods=["full"])
+    records = EvalRunner(word_model, config, tmp_path).run(progress=False, plots=False)["records"]
+    assert [r["prompt"] for r in records] == list(sanity.CALIB_PROMPTS)
+
+
 def nudged(model: LoadedModel, name: str) -> LoadedModel:
     """Another model with the same tokenizer: `model`'s weights plus a little noise."""
     torch.manual_seed(1)

@@ -81,7 +81,10 @@ def eval_command(
     ] = False,
     split: Annotated[
         str,
-        typer.Option("--split", help="Essay split: eval (measuring) or calib (designing prompts)."),
+        typer.Option(
+            "--split",
+            help="Essays and sanity prompts: eval (measuring) or calib (designing settings).",
+        ),
     ] = "eval",
     out: OutDir = Path("runs/eval"),
     resume: Annotated[

@@ -161,7 +161,9 @@ class EvalRunner:
         out = []
         for task in cfg.tasks:
             lengths = [SHORT] if task == "sanity" else cfg.lengths
-            count = min(cfg.n[task], len(sanity.PROMPTS)) if task == "sanity" else cfg.n[task]
+            count = cfg.n[task]
+            if task == "sanity":
+                count = min(count, len(sanity.prompts(cfg.split)))
             out += [Unit(task, length, i) for length in lengths for i in range(count)]
         return out
 
@@ -384,7 +386,7 @@ class EvalRunner:
     def _sanity(self, unit: Unit, methods: list[str], records: list[dict]) -> Iterator[dict]:
         from speedkv.hf.text import encode_prompt
 
-        prompt = sanity.PROMPTS[unit.index]
+        prompt = sanity.prompts(self.config.split)[unit.index]
         encoded = encode_prompt(self.model.tokenizer, prompt)
         own_reference = self.reference_engine is self.engine
         if own_reference:

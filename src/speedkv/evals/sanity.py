@@ -3,7 +3,8 @@
 SPEED makes prompt tokens shallow whatever the prompt's length, so a short chat prompt is
 affected too; these prompts show whether a method changes everyday answers. Score: the share
 of prompts whose answer is token for token the same as full's; also reported, the position-
-wise agreement over the first `AGREEMENT_TOKENS` tokens.
+wise agreement over the first `AGREEMENT_TOKENS` tokens. The `calib` split has prompts of its
+own, for choosing settings without looking at the ones that measure them.
 """
 
 from __future__ import annotations
@@ -22,8 +23,32 @@ PROMPTS = (
     "Write the opposite of 'ancient'.",
     "Complete the sequence: 2, 4, 6, 8, ...",
 )
+# Design-time prompts (`--split calib`): never used to measure a method.
+CALIB_PROMPTS = (
+    "What is 12 minus 5? Answer with the number only.",
+    "Name two animals that live in the ocean.",
+    "What color is the sky on a clear day?",
+    "Spell the word 'banana' backwards.",
+    "Which planet is closest to the sun?",
+    "Give an antonym for 'generous'.",
+    "Convert 3 hours into minutes. Answer with the number only.",
+    "What is the plural of 'mouse'?",
+    "Write a short greeting for a birthday card.",
+    "Translate 'thank you' into French.",
+    "What is the largest mammal?",
+    "Name the four seasons of the year.",
+    "How many legs does a spider have?",
+    "Put these words in alphabetical order: pear, apple, mango.",
+    "What is the square root of 81?",
+    "Write a Python expression that adds 2 and 3.",
+)
 MAX_NEW_TOKENS = 48
 AGREEMENT_TOKENS = 32
+
+
+def prompts(split: str = "eval") -> tuple[str, ...]:
+    """The prompt set of a split: `eval` measures, `calib` designs."""
+    return CALIB_PROMPTS if split == "calib" else PROMPTS
 
 
 def token_agreement(ours: list[int], reference: list[int], window: int = AGREEMENT_TOKENS) -> float:
