@@ -251,3 +251,12 @@ adapter-qwen: qwen
 	cd runs/train/qwen-speed18-sink4 && cp adapter_config.json adapter_model.safetensors \
 		training.json loss.png $(CURDIR)/$(QWEN_ADAPTER)/
 
+# The Qwen2.5 adapter on eval essays: SPEED-18 with it, and the adapter run at full depth.
+# Fidelity and sanity compare with the untrained model's full attention (--reference), as the
+# anchor study's untrained rows (make eval-qwen) do. About 25 min.
+.PHONY: eval-qwen-adapter
+eval-qwen-adapter: qwen
+	$(VENV)/bin/speedkv eval --model $(QWEN) --adapter $(QWEN_ADAPTER) --reference $(QWEN) \
+		--dtype bfloat16 --seed 0 --methods "full;speed:lcut=18,anchors=sink:4" --shared-prefill \
+		--tasks niah,fidelity,sanity --lengths 1024,8192 --samples niah=10,fidelity=4 \
+		--out runs/eval-qwen/adapter --resume

@@ -24,6 +24,14 @@ def greedy_with_logits(engine: Engine, ids: list[int], policy: Policy, steps: in
     return tokens, torch.stack(rows), cache
 
 
+def document_prompt_ids(tokenizer, tokens: int, question: str) -> list[int]:
+    """A chat prompt: `tokens` tokens of essay text, then `question`."""
+    from speedkv.hf.text import encode_prompt
+    from speedkv.prompts.haystack import haystack_text
+
+    return encode_prompt(tokenizer, haystack_text(tokenizer, tokens) + "\n\n" + question).ids
+
+
 def check_equals_hf_generate(engine: Engine, ids: list[int], specs: list[str], steps: int):
     """Each spec's greedy tokens (EOS ignored) are transformers' own greedy tokens."""
     from speedkv.core.engine import Request

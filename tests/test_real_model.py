@@ -6,9 +6,8 @@ from speedkv.core.engine import Engine, Request
 from speedkv.core.registry import make_policy
 from speedkv.core.sampling import SamplingParams
 from speedkv.hf.text import encode_prompt
-from speedkv.prompts.haystack import haystack_text
 
-from helpers import check_equals_dense, check_equals_hf_generate
+from helpers import check_equals_dense, check_equals_hf_generate, document_prompt_ids
 
 pytestmark = pytest.mark.real_model
 
@@ -20,8 +19,7 @@ def engine(smollm2):
 
 @pytest.fixture(scope="module")
 def document_ids(smollm2):
-    text = haystack_text(smollm2.tokenizer, 420) + "\n\nSummarise the text above in one sentence."
-    return encode_prompt(smollm2.tokenizer, text).ids
+    return document_prompt_ids(smollm2.tokenizer, 420, "Summarise the text above in one sentence.")
 
 
 def test_full_and_uncut_speed_equal_hf_generate(engine, document_ids):

@@ -6,11 +6,9 @@ import pytest
 from speedkv.core.engine import Engine
 from speedkv.core.registry import make_policy
 from speedkv.errors import UserError
-from speedkv.hf.text import encode_prompt
 from speedkv.methods.speed import NO_BOS_DEFAULT, parse_anchors
-from speedkv.prompts.haystack import haystack_text
 
-from helpers import check_equals_dense, check_equals_hf_generate
+from helpers import check_equals_dense, check_equals_hf_generate, document_prompt_ids
 
 pytestmark = pytest.mark.real_model
 
@@ -31,8 +29,7 @@ def engine(qwen):
 
 @pytest.fixture(scope="module")
 def prompt_ids(qwen):
-    text = haystack_text(qwen.tokenizer, 300) + "\n\nWhat is the text above about?"
-    return encode_prompt(qwen.tokenizer, text).ids
+    return document_prompt_ids(qwen.tokenizer, 300, "What is the text above about?")
 
 
 def test_qwen_prompts_have_no_bos_so_bos_anchors_are_refused(qwen, prompt_ids):

@@ -82,16 +82,21 @@ def test_lora_training_forward_equals_engine_on_merged_adapter(tiny, tmp_path):
     spec = "speed:lcut=3,anchors=bos"
     weights = lora_copy(tiny)
     weights.save(tmp_path)
-    merged = apply_adapter(tiny, tmp_path)
+    assert_trained_forward_is_what_runs(tiny, weights, apply_adapter(tiny, tmp_path), spec)
+
+
+def assert_trained_forward_is_what_runs(tiny, weights, saved, spec: str) -> None:
+    """The training forward of `weights` gives the logits the engine gives on `saved` (the
+    trained result as inference loads it), and they differ from the untrained model's."""
     prompt, response = random_prompt(30, seed=5), random_prompt(6, seed=6)
-    expected = engine_response_logits(Engine(merged, chunk_size=16), spec, prompt, response)
+    expected = engine_response_logits(Engine(saved, chunk_size=16), spec, prompt, response)
     objective = SpeedObjective(weights, visibility_for(spec, tiny.shape))
     with torch.no_grad():
         got = response_logits(
             objective.backbone, torch.tensor(prompt + response), 30, objective.vis
         )
     base = engine_response_logits(Engine(tiny, chunk_size=16), spec, prompt, response)
-    assert not torch.allclose(base, expected, atol=1e-2)  # the adapter changes the answer
+    assert not torch.allclose(base, expected, atol=1e-2)  # training changed the answer
     assert torch.allclose(got, expected, atol=1e-4, rtol=0), (got - expected).abs().max()
 
 
@@ -203,16 +208,7 @@ def test_full_parameter_training_forward_equals_engine_on_its_saved_model(
             param.add_(torch.randn(param.shape, generator=generator) * 0.02)
     weights.save(tmp_path)
     saved = load_model(str(tmp_path), dtype="float32", device="cpu", progress=False)
-    prompt, response = random_prompt(30, seed=5), random_prompt(6, seed=6)
-    expected = engine_response_logits(Engine(saved, chunk_size=16), spec, prompt, response)
-    objective = SpeedObjective(weights, visibility_for(spec, tiny.shape))
-    with torch.no_grad():
-        got = response_logits(
-            objective.backbone, torch.tensor(prompt + response), 30, objective.vis
-        )
-    base = engine_response_logits(Engine(tiny, chunk_size=16), spec, prompt, response)
-    assert not torch.allclose(base, expected, atol=1e-2)  # training changed the answer
-    assert torch.allclose(got, expected, atol=1e-4, rtol=0), (got - expected).abs().max()
+    assert_trained_forward_is_what_runs(tiny, weights, saved, spec)
 
 
 def test_full_parameter_teacher_is_the_starting_model(tiny):
