@@ -253,10 +253,16 @@ adapter-qwen: qwen
 
 # The Qwen2.5 adapter on eval essays: SPEED-18 with it, and the adapter run at full depth.
 # Fidelity and sanity compare with the untrained model's full attention (--reference), as the
-# anchor study's untrained rows (make eval-qwen) do. About 25 min.
+# anchor study's untrained rows (make eval-qwen) do; then the short answers once more against
+# the adapter's own full-depth answers, on both prompt sets. About 30 min.
 .PHONY: eval-qwen-adapter
 eval-qwen-adapter: qwen
 	$(VENV)/bin/speedkv eval --model $(QWEN) --adapter $(QWEN_ADAPTER) --reference $(QWEN) \
 		--dtype bfloat16 --seed 0 --methods "full;speed:lcut=18,anchors=sink:4" --shared-prefill \
 		--tasks niah,fidelity,sanity --lengths 1024,8192 --samples niah=10,fidelity=4 \
 		--out runs/eval-qwen/adapter --resume
+	$(VENV)/bin/speedkv eval --model $(QWEN) --adapter $(QWEN_ADAPTER) --dtype bfloat16 --seed 0 \
+		--methods "full;speed:lcut=18,anchors=sink:4" --tasks sanity --out runs/eval-qwen/adapter-sanity --resume
+	$(VENV)/bin/speedkv eval --model $(QWEN) --adapter $(QWEN_ADAPTER) --dtype bfloat16 --seed 0 \
+		--methods "full;speed:lcut=18,anchors=sink:4" --tasks sanity --split calib --samples sanity=16 \
+		--out runs/eval-qwen/adapter-sanity-calib --resume
