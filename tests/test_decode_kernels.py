@@ -1,4 +1,4 @@
-"""The decode step's fused pieces against what they replace: split decode attention against a
+"""The decode step's fused pieces against what they replace: decode attention against a
 float64 reference, fused projections against the separate layers (no extra weight memory, the
 model's own forward unchanged, stale fusions rebuilt), the fused RMSNorm against the module."""
 
@@ -27,17 +27,16 @@ def reference_decode_attention(q, k, v):
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("extra", [-1, 0, 1, 7, attention.SPLIT_FROM + 3])
-def test_split_decode_attention_equals_reference(dtype, extra):
+@pytest.mark.parametrize("n", [1, 7, 2048, 4099])
+def test_decode_attention_equals_reference(dtype, n):  # below and above MATMUL_FROM
     torch.manual_seed(0)
-    n = attention.SPLIT_FROM + extra  # below the split, at it, and blocks with a remainder
     # a cache buffer with room left, as the engine holds it: k, v are strided views
     k = torch.randn(3, n + 16, 64, dtype=dtype)[:, :n]
     v = torch.randn(3, n + 16, 64, dtype=dtype)[:, :n]
     q = torch.randn(9, 1, 64, dtype=dtype)
     got = attention.decode_attention(q, k, v)
     assert got.shape == (9, 1, 64) and got.dtype == dtype
-    tolerance = 1e-6 if dtype == torch.float32 else 4e-3
+    tolerance = 1e-6 if dtype == torch.float32 else 2e-2
     assert (got.double() - reference_decode_attention(q, k, v)).abs().max() < tolerance
 
 

@@ -2,7 +2,8 @@
 
 Both go through torch's scaled_dot_product_attention, which on CPU and GPU has fused kernels
 that never materialise the full score matrix; grouped-query heads are handled by the kernel
-(`enable_gqa`) instead of copying K/V per query head.
+(`enable_gqa`) instead of copying K/V per query head. The exception is decode over a long
+cache on a CPU, where plain matrix products read the cache faster.
 """
 
 from __future__ import annotations
@@ -37,51 +38,37 @@ def decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch
     """One query token over every cached entry (all earlier, so no mask).
 
     q: [Hq, 1, D]; k, v: [Hkv, n, D]. Returns [Hq, 1, D]. The query heads that share a KV
-    head are packed as rows of one query block, which the CPU kernels run several times
-    faster than a grouped-query call with a single row. Long caches on a CPU are split into
-    blocks attended in parallel and merged by their log-sum-exp (as flash-decoding does): the
-    CPU kernel parallelises over heads only, and a few KV heads leave cores idle.
+    head are packed as the rows of one query block, which the CPU kernels run several times
+    faster than a grouped-query call with a single row. Long caches on a CPU go through
+    matrix products instead of the fused kernel (`_matmul_decode_attention`).
     """
-    heads, kv_heads = q.shape[0], k.shape[0]
-    packed = q.reshape(1, kv_heads, heads // kv_heads, q.shape[-1])
-    if k.device.type == "cpu" and k.shape[1] >= SPLIT_FROM:
-        out = _split_decode_attention(packed, k, v)
-    else:
-        out = F.scaled_dot_product_attention(packed, k[None], v[None])
-    return out.reshape(heads, 1, q.shape[-1])
+    heads, kv_heads, dim = q.shape[0], k.shape[0], q.shape[-1]
+    if k.device.type == "cpu" and k.shape[1] >= MATMUL_FROM:
+        return _matmul_decode_attention(q.reshape(kv_heads, heads // kv_heads, dim), k, v)
+    packed = q.reshape(1, kv_heads, heads // kv_heads, dim)
+    return F.scaled_dot_product_attention(packed, k[None], v[None]).reshape(heads, 1, dim)
 
 
-# Cache length from which decode attention on a CPU runs in blocks, and their number. Measured
-# on 2 cores, SmolLM2's 3 KV heads, 30 layers: 1.07x faster at 2K tokens, 1.17x at 4K, 1.32x
-# at 8K (slower at 1K); 2, 4 and 8 blocks within 5 % of each other.
-SPLIT_FROM = 2048
-SPLIT_BLOCKS = 4
+# Cache length from which decode attention on a CPU runs as matrix products. torch's CPU
+# attention kernel parallelises over heads, and reads a long cache at 5-7 GB/s with SmolLM2's
+# 3 KV heads on 2 cores; matrix products per KV head read it about twice as fast at 8K tokens
+# (and as fast at 2K; slower at 1K). Measured with benchmarks/decode_breakdown.py.
+MATMUL_FROM = 2048
 
 
-def _split_decode_attention(packed: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-    """Attention of packed queries [1, Hkv, G, D] over k, v [Hkv, n, D] in SPLIT_BLOCKS equal
-    blocks plus a remainder, merged exactly by each block's log-sum-exp."""
-    kv_heads, n, dim = k.shape
-    group = packed.shape[2]
-    size = n // SPLIT_BLOCKS
-    whole = size * SPLIT_BLOCKS
-    # KV heads as the batch and blocks as heads: views of the cache, never copies
-    blocks_k = k[:, :whole].unflatten(1, (SPLIT_BLOCKS, size))
-    blocks_v = v[:, :whole].unflatten(1, (SPLIT_BLOCKS, size))
-    queries = packed[0].unsqueeze(1).expand(kv_heads, SPLIT_BLOCKS, group, dim)
-    out, lse = _flash_with_lse(queries, blocks_k, blocks_v)  # [Hkv, S, G, D], [Hkv, S, G]
-    if whole < n:
-        rest, rest_lse = _flash_with_lse(packed, k[None, :, whole:], v[None, :, whole:])
-        out = torch.cat([out, rest.reshape(kv_heads, 1, group, dim)], 1)
-        lse = torch.cat([lse, rest_lse.reshape(kv_heads, 1, group)], 1)
-    weights = torch.softmax(lse.float(), dim=1).unsqueeze(-1)
-    merged = (out.float() * weights).sum(1)
-    return merged.to(packed.dtype)[None]
-
-
-def _flash_with_lse(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """torch's CPU flash attention, which also returns each row's log-sum-exp."""
-    out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(q, k, v)[:2]
-    return out, lse
+def _matmul_decode_attention(
+    packed: torch.Tensor, k: torch.Tensor, v: torch.Tensor
+) -> torch.Tensor:
+    """Packed queries [Hkv, G, D] over k, v [Hkv, n, D]: scores and output as one matrix
+    product per KV head, the softmax in float32 between them (HF's eager rounding: scores and
+    weights in the cache's dtype). One product per head, because the cache is a view into a
+    buffer with room left, which a batched product would first copy whole."""
+    kv_heads, group, dim = packed.shape
+    scores = torch.empty((kv_heads, group, k.shape[1]), dtype=k.dtype, device=k.device)
+    for head in range(kv_heads):
+        torch.mm(packed[head], k[head].t(), out=scores[head])
+    weights = torch.softmax(scores.float().mul_(dim**-0.5), dim=-1).to(v.dtype)
+    out = torch.empty_like(packed)
+    for head in range(kv_heads):
+        torch.mm(weights[head], v[head], out=out[head])
+    return out.reshape(kv_heads * group, 1, dim)
