@@ -193,6 +193,31 @@ def test_activation_checkpointing_recomputes_layers_and_keeps_the_gradients(tiny
         assert torch.allclose(plain, recomputed, atol=1e-6)
 
 
+def test_step_bench_runs_in_train_mode_so_checkpointing_recomputes(tiny):
+    """train-bench measures the step a run takes: with --gradient-checkpointing each layer's
+    forward runs again in the backward pass (transformers checkpoints only in train mode)."""
+    from speedkv.hf.backbone import enable_activation_checkpointing
+    from speedkv.train.data import Example
+    from speedkv.train.stepbench import measure_step_speed
+
+    weights = full_copy(tiny)
+    weights.model.eval()
+    enable_activation_checkpointing(weights.model)
+    mlp = weights.model.model.layers[0].mlp
+    count = [0]
+    original = mlp.forward
+
+    def counted(*args, **kwargs):
+        count[0] += 1
+        return original(*args, **kwargs)
+
+    mlp.forward = counted
+    example = Example(torch.tensor(random_prompt(40, seed=9)), 30, None, "test")
+    vis = visibility_for("speed:lcut=2,anchors=bos", tiny.shape)
+    measure_step_speed(weights, [vis], [example], repeats=1, bf16=False)
+    assert count[0] == 4  # a warm-up and a measured step, each forward then recomputed
+
+
 def test_full_parameter_training_forward_equals_engine_on_its_saved_model(
     tiny, smol_tokenizer, tmp_path
 ):

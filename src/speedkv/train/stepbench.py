@@ -66,6 +66,7 @@ def measure_step_speed(
 ) -> dict:
     """Median step time and tokens/s per method (by canonical spec), plus each one's speed-up
     over the first method. `weights` is what trains (`speedkv.train.weights`)."""
+    weights.model.train()  # as in a run; activation checkpointing acts only in train mode
     objectives = {vis.spec: SpeedObjective(weights, vis, distill) for vis in methods}
     shape = weights.backbone.shape
     shares = {spec: layer_token_ratio(shape, o.vis, batch) for spec, o in objectives.items()}
