@@ -7,8 +7,9 @@ bfloat16 cache held as the engine holds it, a view into a buffer with room left.
 gets 30 caches, one per layer, cycled so reads come from memory, not the CPU's caches; the
 kernels take turns, and each row is the median of the rounds. Kernels:
 
-- `engine`: speedkv's `decode_attention` as it is on the path;
-- `sdpa`: torch's fused attention on the packed queries;
+- `engine`: speedkv's `decode_attention` as it is on the path (the next two, by length);
+- `fused`: torch's fused attention on the packed queries;
+- `matmul`: one matrix product per KV head for scores and output;
 - `bmm`: two batched matrix products around a float32 softmax (torch copies the view first);
 - `bmm-contiguous`: the same on a contiguous copy of the cache, the rate a batched product
   could reach if the live cache were one block.
@@ -21,15 +22,12 @@ import statistics
 import time
 
 import torch
-import torch.nn.functional as F
 
-from speedkv.core.attention import decode_attention
-
-
-def sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-    heads, kv_heads, dim = q.shape[0], k.shape[0], q.shape[-1]
-    packed = q.reshape(1, kv_heads, heads // kv_heads, dim)
-    return F.scaled_dot_product_attention(packed, k[None], v[None]).reshape(heads, 1, dim)
+from speedkv.core.attention import (
+    decode_attention,
+    fused_decode_attention,
+    matmul_decode_attention,
+)
 
 
 def bmm(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
@@ -39,7 +37,13 @@ def bmm(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
     return torch.bmm(weights, v).reshape(heads, 1, dim)
 
 
-KERNELS = {"engine": decode_attention, "sdpa": sdpa, "bmm": bmm, "bmm-contiguous": bmm}
+KERNELS = {
+    "engine": decode_attention,
+    "fused": fused_decode_attention,
+    "matmul": matmul_decode_attention,
+    "bmm": bmm,
+    "bmm-contiguous": bmm,
+}
 
 
 def caches(n: int, args, contiguous: bool) -> list[tuple[torch.Tensor, torch.Tensor]]:

@@ -18,6 +18,7 @@ from __future__ import annotations
 import argparse
 import statistics
 import time
+from contextlib import contextmanager
 
 from torch.profiler import ProfilerActivity, profile, record_function
 
@@ -29,17 +30,21 @@ WEIGHT_OPS = {"aten::mm", "aten::addmm", "aten::_weight_int8pack_mm", "mkldnn::_
 ATTENTION_RANGE = "decode attention"
 
 
-def attention_in_a_named_range():
-    """Wrap the engine's decode attention so the profiler reports its whole time as one range
-    (whatever ops it is made of in this checkout)."""
-    inner = engine_module.decode_attention
+@contextmanager
+def attention_as_a_named_range():
+    """Within it, the engine's decode attention runs inside a profiler range of its own, so
+    its whole time is counted whatever ops it is made of in this checkout."""
+    plain = engine_module.decode_attention
 
     def named(*args, **kwargs):
         with record_function(ATTENTION_RANGE):
-            return inner(*args, **kwargs)
+            return plain(*args, **kwargs)
 
     engine_module.decode_attention = named
-    return inner
+    try:
+        yield
+    finally:
+        engine_module.decode_attention = plain
 
 
 def inside_attention(event) -> bool:
@@ -75,13 +80,9 @@ def measure(engine: Engine, ids: list[int], method: str, steps: int) -> dict:
         start = time.perf_counter()
         step()
         walls.append(time.perf_counter() - start)
-    plain = attention_in_a_named_range()
-    try:
-        with profile(activities=[ProfilerActivity.CPU]) as prof:
-            for _ in range(steps):
-                step()
-    finally:
-        engine_module.decode_attention = plain
+    with attention_as_a_named_range(), profile(activities=[ProfilerActivity.CPU]) as prof:
+        for _ in range(steps):
+            step()
     matmul = attention = 0.0
     for event in prof.events():
         if event.name == ATTENTION_RANGE:

@@ -36,7 +36,10 @@ def test_decode_attention_equals_reference(dtype, n):  # below and above MATMUL_
     q = torch.randn(9, 1, 64, dtype=dtype)
     got = attention.decode_attention(q, k, v)
     assert got.shape == (9, 1, 64) and got.dtype == dtype
-    tolerance = 1e-6 if dtype == torch.float32 else 2e-2
+    # bf16: the fused kernel keeps scores in float32; the matrix products round them to bf16
+    # as transformers' eager attention does
+    bf16_tolerance = 4e-3 if n < attention.MATMUL_FROM else 2e-2
+    tolerance = 1e-6 if dtype == torch.float32 else bf16_tolerance
     assert (got.double() - reference_decode_attention(q, k, v)).abs().max() < tolerance
 
 

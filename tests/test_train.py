@@ -162,6 +162,21 @@ def test_gradients_reach_every_layer(tiny, spec, kind):
             assert all(p.grad is None for p in teacher.hf_model.parameters())
 
 
+def count_first_mlp_calls(model) -> list[int]:
+    """A one-item list counting the calls of the first layer's MLP from now on: a forward
+    calls it once, and activation checkpointing once more in the backward pass."""
+    mlp = model.model.layers[0].mlp
+    count = [0]
+    original = mlp.forward
+
+    def counted(*args, **kwargs):
+        count[0] += 1
+        return original(*args, **kwargs)
+
+    mlp.forward = counted
+    return count
+
+
 def test_activation_checkpointing_recomputes_layers_and_keeps_the_gradients(tiny):
     """--gradient-checkpointing reaches the SPEED forward (which calls the layers one by one):
     each layer's forward runs again in the backward pass, and the gradients do not change."""
@@ -175,15 +190,7 @@ def test_activation_checkpointing_recomputes_layers_and_keeps_the_gradients(tiny
         if checkpointing:
             enable_activation_checkpointing(weights.model)
         weights.model.train()
-        mlp = weights.model.model.layers[0].mlp
-        count = [0]
-        original = mlp.forward
-
-        def counted(*args, _original=original, _count=count, **kwargs):
-            _count[0] += 1
-            return _original(*args, **kwargs)
-
-        mlp.forward = counted
+        count = count_first_mlp_calls(weights.model)
         objective = SpeedObjective(weights, visibility_for("speed:lcut=2,anchors=bos", tiny.shape))
         objective([example])["loss"].backward()
         calls.append(count[0])
@@ -203,15 +210,7 @@ def test_step_bench_runs_in_train_mode_so_checkpointing_recomputes(tiny):
     weights = full_copy(tiny)
     weights.model.eval()
     enable_activation_checkpointing(weights.model)
-    mlp = weights.model.model.layers[0].mlp
-    count = [0]
-    original = mlp.forward
-
-    def counted(*args, **kwargs):
-        count[0] += 1
-        return original(*args, **kwargs)
-
-    mlp.forward = counted
+    count = count_first_mlp_calls(weights.model)
     example = Example(torch.tensor(random_prompt(40, seed=9)), 30, None, "test")
     vis = visibility_for("speed:lcut=2,anchors=bos", tiny.shape)
     measure_step_speed(weights, [vis], [example], repeats=1, bf16=False)

@@ -37,32 +37,42 @@ def prefill_attention(
 def decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
     """One query token over every cached entry (all earlier, so no mask).
 
-    q: [Hq, 1, D]; k, v: [Hkv, n, D]. Returns [Hq, 1, D]. The query heads that share a KV
-    head are packed as the rows of one query block, which the CPU kernels run several times
-    faster than a grouped-query call with a single row. Long caches on a CPU go through
-    matrix products instead of the fused kernel (`_matmul_decode_attention`).
+    q: [Hq, 1, D]; k, v: [Hkv, n, D]. Returns [Hq, 1, D]. Long caches on a CPU go through
+    matrix products, everything else through the fused kernel.
     """
-    heads, kv_heads, dim = q.shape[0], k.shape[0], q.shape[-1]
     if k.device.type == "cpu" and k.shape[1] >= MATMUL_FROM:
-        return _matmul_decode_attention(q.reshape(kv_heads, heads // kv_heads, dim), k, v)
-    packed = q.reshape(1, kv_heads, heads // kv_heads, dim)
-    return F.scaled_dot_product_attention(packed, k[None], v[None]).reshape(heads, 1, dim)
+        return matmul_decode_attention(q, k, v)
+    return fused_decode_attention(q, k, v)
 
 
 # Cache length from which decode attention on a CPU runs as matrix products. torch's CPU
-# attention kernel parallelises over heads, and reads a long cache at 5-7 GB/s with SmolLM2's
-# 3 KV heads on 2 cores; matrix products per KV head read it about twice as fast at 8K tokens
-# (and as fast at 2K; slower at 1K). Measured with benchmarks/decode_breakdown.py.
+# attention kernel parallelises over heads, which leaves cores idle with SmolLM2's 3 KV heads.
+# Alone on 30 layers' caches (benchmarks/decode_attention.py), matrix products per KV head
+# were 1.3x faster at 4K tokens and 1.4-2x at 8K, as fast at 2K and slower at 1K; in the
+# engine's decode step (benchmarks/decode_breakdown.py) attention at 8128 tokens fell 1.1x.
 MATMUL_FROM = 2048
 
 
-def _matmul_decode_attention(
-    packed: torch.Tensor, k: torch.Tensor, v: torch.Tensor
-) -> torch.Tensor:
-    """Packed queries [Hkv, G, D] over k, v [Hkv, n, D]: scores and output as one matrix
-    product per KV head, the softmax in float32 between them (HF's eager rounding: scores and
-    weights in the cache's dtype). One product per head, because the cache is a view into a
-    buffer with room left, which a batched product would first copy whole."""
+def _packed(q: torch.Tensor, kv_heads: int) -> torch.Tensor:
+    """The query heads that share a KV head as the rows of one query block [Hkv, G, D]: the
+    CPU kernels run such a block several times faster than a grouped-query call with a
+    single row."""
+    heads, _, dim = q.shape
+    return q.reshape(kv_heads, heads // kv_heads, dim)
+
+
+def fused_decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    """`decode_attention` through torch's fused kernel."""
+    packed = _packed(q, k.shape[0])
+    return F.scaled_dot_product_attention(packed[None], k[None], v[None]).reshape(q.shape)
+
+
+def matmul_decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    """`decode_attention` as one matrix product per KV head for the scores and one for the
+    output, the softmax in float32 between them (HF's eager rounding: scores and weights in
+    the cache's dtype). One product per head, because the cache is a view into a buffer with
+    room left, which a batched product would first copy whole."""
+    packed = _packed(q, k.shape[0])
     kv_heads, group, dim = packed.shape
     scores = torch.empty((kv_heads, group, k.shape[1]), dtype=k.dtype, device=k.device)
     for head in range(kv_heads):
@@ -71,4 +81,4 @@ def _matmul_decode_attention(
     out = torch.empty_like(packed)
     for head in range(kv_heads):
         torch.mm(weights[head], v[head], out=out[head])
-    return out.reshape(kv_heads * group, 1, dim)
+    return out.reshape(q.shape)
