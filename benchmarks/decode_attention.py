@@ -1,18 +1,18 @@
-"""Decode attention alone: milliseconds per layer and cache read rate, by kernel and cache length.
+"""Decode attention alone: milliseconds per layer and cache read rate, by kernel, batch size
+and cache length.
 
-    .venv/bin/python benchmarks/decode_attention.py --lengths 1024,2048,4096,8128
+    .venv/bin/python benchmarks/decode_attention.py --lengths 1024,2048,4096,8128 --batches 1,8,32
 
-One query token (SmolLM2's shape by default: 9 query heads over 3 KV heads of 64) over a
-bfloat16 cache held as the engine holds it, a view into a buffer with room left. Each length
-gets 30 caches, one per layer, cycled so reads come from memory, not the CPU's caches; the
-kernels take turns, and each row is the median of the rounds. Kernels:
+One query token per sequence (SmolLM2's shape by default: 9 query heads over 3 KV heads of 64)
+over a bfloat16 cache held as the engine holds it, a view into a buffer with room left. Each
+(length, batch) gets 30 layers of caches, cycled so reads come from memory, not the CPU's
+caches; the kernels take turns, and each row is the median of the rounds. Kernels:
 
-- `engine`: speedkv's `decode_attention` as it is on the path (the next two, by length);
-- `fused`: torch's fused attention on the packed queries;
-- `matmul`: one matrix product per KV head for scores and output;
-- `bmm`: two batched matrix products around a float32 softmax (torch copies the view first);
-- `bmm-contiguous`: the same on a contiguous copy of the cache, the rate a batched product
-  could reach if the live cache were one block.
+- `native`: speedkv's C++ kernel, the whole batch in one call (core/csrc);
+- `fused`: torch's fused attention on the packed queries, one call per sequence;
+- `matmul`: one matrix product per KV head for scores and output, per sequence;
+- `bmm`: two batched matrix products around a float32 softmax, per sequence (torch copies
+  the strided view first).
 """
 
 from __future__ import annotations
@@ -23,11 +23,8 @@ import time
 
 import torch
 
-from speedkv.core.attention import (
-    decode_attention,
-    fused_decode_attention,
-    matmul_decode_attention,
-)
+from speedkv.core.attention import fused_decode_attention, matmul_decode_attention
+from speedkv.core.native import native_ops
 
 
 def bmm(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
@@ -37,30 +34,43 @@ def bmm(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
     return torch.bmm(weights, v).reshape(heads, 1, dim)
 
 
+def per_sequence(kernel):
+    def run(q: torch.Tensor, keys: list, values: list) -> None:
+        for b, (k, v) in enumerate(zip(keys, values)):
+            kernel(q[b], k, v)
+
+    return run
+
+
+def native(q: torch.Tensor, keys: list, values: list) -> None:
+    batch, heads, _, dim = q.shape
+    native_ops().decode_attention(q.reshape(batch, heads, dim), keys, values, dim**-0.5)
+
+
 KERNELS = {
-    "engine": decode_attention,
-    "fused": fused_decode_attention,
-    "matmul": matmul_decode_attention,
-    "bmm": bmm,
-    "bmm-contiguous": bmm,
+    "native": native,
+    "fused": per_sequence(fused_decode_attention),
+    "matmul": per_sequence(matmul_decode_attention),
+    "bmm": per_sequence(bmm),
 }
 
 
-def caches(n: int, args, contiguous: bool) -> list[tuple[torch.Tensor, torch.Tensor]]:
-    room = 0 if contiguous else args.room
-    shape = (args.kv_heads, n + room, args.head_dim)
+def layer_caches(n: int, batch: int, args) -> list[tuple[list, list]]:
+    """Per layer, every sequence's keys and values: views into buffers with room left."""
+    shape = (args.kv_heads, n + args.room, args.head_dim)
+
+    def view() -> torch.Tensor:
+        return torch.randn(shape, dtype=torch.bfloat16)[:, :n]
+
     return [
-        (
-            torch.randn(shape, dtype=torch.bfloat16)[:, :n],
-            torch.randn(shape, dtype=torch.bfloat16)[:, :n],
-        )
-        for _ in range(args.layers)
+        ([view() for _ in range(batch)], [view() for _ in range(batch)]) for _ in range(args.layers)
     ]
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--lengths", default="1024,2048,4096,8128")
+    parser.add_argument("--batches", default="1", help="sequences per step, e.g. 1,8,32")
     parser.add_argument("--kernels", default=",".join(KERNELS))
     parser.add_argument("--heads", type=int, default=9)
     parser.add_argument("--kv-heads", type=int, default=3)
@@ -73,24 +83,30 @@ def main() -> None:
     if args.threads:
         torch.set_num_threads(args.threads)
     kernels = args.kernels.split(",")
-    print("| tokens | kernel | ms per layer | cache GB/s |")
-    print("|---:|---|---:|---:|")
+    if "native" in kernels and native_ops() is None:
+        parser.error("the native kernel is not available here (see the warning above)")
+    print(f"torch threads: {torch.get_num_threads()}")
+    print("| tokens | batch | kernel | ms per layer | cache GB/s |")
+    print("|---:|---:|---|---:|---:|")
     for n in (int(x) for x in args.lengths.split(",")):
-        strided = caches(n, args, contiguous=False)
-        contiguous = [(k.contiguous(), v.contiguous()) for k, v in strided]
-        q = torch.randn(args.heads, 1, args.head_dim, dtype=torch.bfloat16)
-        times: dict[str, list[float]] = {name: [] for name in kernels}
-        for _ in range(args.rounds):
+        for batch in (int(x) for x in args.batches.split(",")):
+            layers = layer_caches(n, batch, args)
+            q = torch.randn(batch, args.heads, 1, args.head_dim, dtype=torch.bfloat16)
+            times: dict[str, list[float]] = {name: [] for name in kernels}
+            for _ in range(args.rounds):
+                for name in kernels:
+                    start = time.perf_counter()
+                    for keys, values in layers:
+                        KERNELS[name](q, keys, values)
+                    times[name].append((time.perf_counter() - start) / len(layers))
+            cache_bytes = batch * 2 * layers[0][0][0].numel() * 2
             for name in kernels:
-                layers = contiguous if name == "bmm-contiguous" else strided
-                start = time.perf_counter()
-                for k, v in layers:
-                    KERNELS[name](q, k, v)
-                times[name].append((time.perf_counter() - start) / len(layers))
-        cache_bytes = 2 * strided[0][0].numel() * 2
-        for name in kernels:
-            seconds = statistics.median(times[name])
-            print(f"| {n} | {name} | {seconds * 1e3:.3f} | {cache_bytes / seconds / 1e9:.1f} |")
+                seconds = statistics.median(times[name])
+                print(
+                    f"| {n} | {batch} | {name} | {seconds * 1e3:.3f} "
+                    f"| {cache_bytes / seconds / 1e9:.1f} |"
+                )
+            del layers
 
 
 if __name__ == "__main__":

@@ -28,23 +28,26 @@ from speedkv.prompts.builders import chat_document
 
 WEIGHT_OPS = {"aten::mm", "aten::addmm", "aten::_weight_int8pack_mm", "mkldnn::_linear_pointwise"}
 ATTENTION_RANGE = "decode attention"
+# what the engine calls for a step's attention: this checkout's name, then older checkouts'
+ATTENTION_FUNCTIONS = ("batch_decode_attention", "decode_attention")
 
 
 @contextmanager
 def attention_as_a_named_range():
     """Within it, the engine's decode attention runs inside a profiler range of its own, so
     its whole time is counted whatever ops it is made of in this checkout."""
-    plain = engine_module.decode_attention
+    name = next(n for n in ATTENTION_FUNCTIONS if hasattr(engine_module, n))
+    plain = getattr(engine_module, name)
 
     def named(*args, **kwargs):
         with record_function(ATTENTION_RANGE):
             return plain(*args, **kwargs)
 
-    engine_module.decode_attention = named
+    setattr(engine_module, name, named)
     try:
         yield
     finally:
-        engine_module.decode_attention = plain
+        setattr(engine_module, name, plain)
 
 
 def inside_attention(event) -> bool:

@@ -1,13 +1,16 @@
-"""The decode step's fused pieces against what they replace: decode attention against a
-float64 reference, fused projections against the separate layers (no extra weight memory, the
-model's own forward unchanged, stale fusions rebuilt), the fused RMSNorm against the module."""
+"""The decode step's fused pieces against what they replace: decode attention (torch's kernels
+and the native batch kernel) against a float64 reference, fused projections against the
+separate layers (no extra weight memory, the model's own forward unchanged, stale fusions
+rebuilt), the fused RMSNorm against the module."""
+
+import shutil
 
 import pytest
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from speedkv.core import attention
+from speedkv.core import attention, native
 from speedkv.core.engine import Engine, Request
 from speedkv.core.registry import make_policy
 from speedkv.core.sampling import SamplingParams
@@ -41,6 +44,128 @@ def test_decode_attention_equals_reference(dtype, n):  # below and above MATMUL_
     bf16_tolerance = 4e-3 if n < attention.MATMUL_FROM else 2e-2
     tolerance = 1e-6 if dtype == torch.float32 else bf16_tolerance
     assert (got.double() - reference_decode_attention(q, k, v)).abs().max() < tolerance
+
+
+def strided_cache(kv_heads: int, n: int, dim: int, dtype, seed: int) -> torch.Tensor:
+    """A [kv_heads, n, dim] view into a buffer with room left, as the engine holds a cache."""
+    generator = torch.Generator().manual_seed(seed)
+    return torch.randn(kv_heads, n + 16, dim, generator=generator).to(dtype)[:, :n]
+
+
+@pytest.fixture(params=["native", "torch"])
+def kernel(request, monkeypatch):
+    """Runs a test on the native batch kernel, then on torch's per-sequence fallback."""
+    if request.param == "native":
+        if native.native_ops() is None:
+            pytest.skip("the native kernel cannot be built here (no C++ compiler?)")
+    else:
+        monkeypatch.setattr(attention, "native_ops", lambda: None)
+    return request.param
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize(("heads", "kv_heads", "dim"), [(9, 3, 64), (14, 2, 64), (4, 4, 128)])
+def test_batch_decode_attention_equals_reference(kernel, dtype, heads, kv_heads, dim):
+    """A batch of caches of different lengths (one token, a partial block, several blocks,
+    past the matmul threshold), each a strided view, in one call."""
+    lengths = [1, 7, 300, 2100]
+    keys = [strided_cache(kv_heads, n, dim, dtype, seed=i) for i, n in enumerate(lengths)]
+    values = [strided_cache(kv_heads, n, dim, dtype, seed=10 + i) for i, n in enumerate(lengths)]
+    q = torch.randn(len(lengths), heads, 1, dim).to(dtype)
+    got = attention.batch_decode_attention(q, keys, values)
+    assert got.shape == q.shape and got.dtype == dtype
+    for b in range(len(lengths)):
+        expected = reference_decode_attention(q[b], keys[b], values[b])
+        error = (got[b].double() - expected).abs()
+        if dtype == torch.float32:
+            assert error.max() < 1e-6, (b, lengths[b])
+        elif kernel == "native":  # float32 throughout: only the output is rounded, once
+            half_step = 2**-8 if dtype == torch.bfloat16 else 2**-11
+            assert (error <= expected.abs() * half_step + 1e-6).all(), (b, lengths[b])
+        else:  # torch's matrix products round scores to the cache's dtype as well
+            assert error.max() < (2e-2 if dtype == torch.bfloat16 else 2e-3), (b, lengths[b])
+
+
+def test_native_kernel_is_built_where_a_compiler_exists():
+    """The suite must exercise the native kernel, not only the fallback, on machines that can
+    build it (CI included)."""
+    if shutil.which("c++") is None and shutil.which("g++") is None:
+        pytest.skip("no C++ compiler on this machine")
+    assert native.native_ops() is not None
+
+
+def test_native_kernel_refuses_what_it_cannot_run():
+    ops = native.native_ops()
+    if ops is None:
+        pytest.skip("the native kernel cannot be built here")
+    q = torch.randn(2, 9, 64)
+    k = [torch.randn(3, 5, 64), torch.randn(3, 6, 64)]
+    with pytest.raises(RuntimeError, match="one key and one value tensor per sequence"):
+        ops.decode_attention(q, k[:1], k[:1], 0.125)
+    with pytest.raises(RuntimeError, match="must match keys"):
+        ops.decode_attention(q, k, [k[0], k[0]], 0.125)
+    with pytest.raises(RuntimeError, match="share a dtype"):
+        ops.decode_attention(q, k, [v.double() for v in k], 0.125)
+    with pytest.raises(RuntimeError, match="multiple of KV heads"):
+        ops.decode_attention(torch.randn(2, 8, 64), k, k, 0.125)
+    with pytest.raises(RuntimeError, match="rows must be contiguous"):
+        columns = [torch.randn(3, 64, 5).transpose(1, 2), torch.randn(3, 64, 6).transpose(1, 2)]
+        ops.decode_attention(q, columns, columns, 0.125)
+    # what the native kernel does not take goes to torch's kernels instead
+    odd = [torch.randn(3, 5, 48), torch.randn(3, 6, 48)]
+    got = attention.batch_decode_attention(torch.randn(2, 9, 1, 48), odd, odd)
+    assert got.shape == (2, 9, 1, 48)
+
+
+def test_native_kernels_switch_off_and_fall_back_when_the_build_fails(monkeypatch, tmp_path):
+    build = native.native_ops.__wrapped__  # uncached: each call decides again
+    monkeypatch.setenv(native.SWITCH, "torch")
+    assert build() is None
+    monkeypatch.delenv(native.SWITCH)
+    monkeypatch.setenv("SPEEDKV_CACHE", str(tmp_path))  # nothing built there yet
+
+    def broken(_):
+        raise OSError("c++: command not found")
+
+    monkeypatch.setattr(native, "_compile", broken)
+    with pytest.warns(RuntimeWarning, match="could not be built.*command not found"):
+        assert build() is None
+
+
+def batch_tokens(engine: Engine, prompts: list, specs: list[str], new_tokens: int) -> list:
+    """The greedy tokens of every prompt under every method, decoded as one batch."""
+    sampling = SamplingParams(max_new_tokens=new_tokens, ignore_eos=True)
+    shape = engine.shape
+    requests = [Request(ids, make_policy(s, shape), sampling) for ids in prompts for s in specs]
+    return [g.output_ids for g in engine.generate(requests)]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_batched_engine_decode_is_the_same_on_native_and_torch_kernels(dtype, monkeypatch):
+    """A batch mixing methods (full, SPEED, an evicting method, a per-query-head cache) and
+    lengths decodes the same tokens through the native batch kernel as through torch's
+    per-sequence kernels; float32 logits agree within rounding."""
+    if native.native_ops() is None:
+        pytest.skip("the native kernel cannot be built here")
+    model = tiny_model("llama")
+    model.hf_model.to(dtype)
+    engine = Engine(model)
+    specs = [
+        "full",
+        "speed:lcut=3,anchors=bos",
+        "h2o:heavy=0.3,recent=0.3",
+        "snapkv:retain=0.5,window=4,gqa=false",
+    ]
+    prompts = [random_prompt(n, seed=n) for n in (9, 40)]
+
+    def logits():
+        return greedy_with_logits(engine, prompts[1], make_policy(specs[1], model.shape), 5)[1]
+
+    native_tokens, native_logits = batch_tokens(engine, prompts, specs, 8), logits()
+    monkeypatch.setattr(attention, "native_ops", lambda: None)
+    assert batch_tokens(engine, prompts, specs, 8) == native_tokens
+    if dtype == torch.float32:
+        assert (logits() - native_logits).abs().max() < 1e-4
 
 
 def storage_bytes(module: nn.Module) -> int:
@@ -132,13 +257,7 @@ def test_prepacked_decode_equals_plain_weights(family, dtype):
     prompts = [random_prompt(n, seed=n) for n in (9, 23, 40)]
 
     def run():
-        sampling = SamplingParams(max_new_tokens=6, ignore_eos=True)
-        requests = [
-            Request(ids, make_policy(spec, model.shape), sampling)
-            for ids in prompts
-            for spec in specs
-        ]
-        return [g.output_ids for g in engine.generate(requests)]
+        return batch_tokens(engine, prompts, specs, 6)
 
     def logits(spec):
         return greedy_with_logits(engine, prompts[1], make_policy(spec, model.shape), 5)[1]

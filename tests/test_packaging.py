@@ -1,5 +1,6 @@
-"""The package tells type checkers it is typed: `py.typed` is in the installed package and in
-the wheel a build makes."""
+"""What the package must carry besides Python: `py.typed` (it tells type checkers the package
+is typed) and the native kernel's C++ source (built on first use), in the installed package
+and in the wheel a build makes."""
 
 import shutil
 import subprocess
@@ -15,7 +16,11 @@ def test_installed_package_has_py_typed():
     assert files("speedkv").joinpath("py.typed").is_file()
 
 
-def test_wheel_ships_py_typed(tmp_path):
+def test_installed_package_has_the_native_kernel_source():
+    assert files("speedkv").joinpath("core/csrc/decode_attention.cpp").is_file()
+
+
+def test_wheel_ships_py_typed_and_the_kernel_source(tmp_path):
     # build from a copy, so the build leaves nothing in the working tree
     for name in ("pyproject.toml", "README.md"):
         shutil.copy(ROOT / name, tmp_path / name)
@@ -31,4 +36,6 @@ def test_wheel_ships_py_typed(tmp_path):
     )  # fmt: skip
     assert done.returncode == 0, done.stderr
     (wheel,) = (tmp_path / "dist").glob("speedkv-*.whl")
-    assert "speedkv/py.typed" in zipfile.ZipFile(wheel).namelist()
+    names = zipfile.ZipFile(wheel).namelist()
+    assert "speedkv/py.typed" in names
+    assert "speedkv/core/csrc/decode_attention.cpp" in names

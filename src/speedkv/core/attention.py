@@ -1,9 +1,13 @@
 """Attention kernels for the engine's prefill chunks and decode steps.
 
-Both go through torch's scaled_dot_product_attention, which on CPU and GPU has fused kernels
-that never materialise the full score matrix; grouped-query heads are handled by the kernel
-(`enable_gqa`) instead of copying K/V per query head. The exception is decode over a long
-cache on a CPU, where plain matrix products read the cache faster.
+Prefill goes through torch's scaled_dot_product_attention, which on CPU and GPU has fused
+kernels that never materialise the full score matrix; grouped-query heads are handled by the
+kernel (`enable_gqa`) instead of copying K/V per query head.
+
+A decode step on a CPU runs every sequence of the batch through speedkv's own kernel
+(core/csrc/decode_attention.cpp) in one call, when it could be built here (core/native.py).
+Otherwise, and on a GPU, each sequence attends on its own through torch: the fused kernel,
+or plain matrix products over long caches on a CPU, which read the cache faster.
 """
 
 from __future__ import annotations
@@ -11,6 +15,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 from torch.nn.attention.bias import causal_lower_right
+
+from speedkv.core.native import native_ops
 
 
 def prefill_attention(
@@ -32,6 +38,35 @@ def prefill_attention(
         bias = causal_lower_right(n_q, n_k)
         out = F.scaled_dot_product_attention(q[None], k[None], v[None], attn_mask=bias, **kwargs)
     return out[0]
+
+
+def batch_decode_attention(
+    q: torch.Tensor, keys: list[torch.Tensor], values: list[torch.Tensor]
+) -> torch.Tensor:
+    """One query token per sequence over that sequence's cache.
+
+    q: [B, Hq, 1, D]; keys[b], values[b]: [Hkv, n_b, D], any lengths, rows contiguous (views
+    into a cache buffer are fine). Returns [B, Hq, 1, D].
+    """
+    ops = native_ops() if _native_fits(q, keys) else None
+    if ops is not None:
+        batch, heads, _, dim = q.shape
+        flat = q.reshape(batch, heads, dim).contiguous()
+        return ops.decode_attention(flat, keys, values, dim**-0.5).view(q.shape)
+    outs = [decode_attention(q[b], k, v) for b, (k, v) in enumerate(zip(keys, values))]
+    return outs[0][None] if len(outs) == 1 else torch.stack(outs)
+
+
+def _native_fits(q: torch.Tensor, keys: list[torch.Tensor]) -> bool:
+    """Whether the native kernel takes this batch: CPU, one KV-head count for all, a head
+    size its register tiles cover, and cache rows contiguous."""
+    heads = keys[0].shape[0]
+    return (
+        q.device.type == "cpu"
+        and q.shape[-1] in (32, 64, 128)
+        and q.dtype in (torch.float32, torch.bfloat16, torch.float16)
+        and all(k.shape[0] == heads and k.stride(-1) == 1 and k.dtype == q.dtype for k in keys)
+    )
 
 
 def decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:

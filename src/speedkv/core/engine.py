@@ -16,9 +16,10 @@ from typing import Any, overload
 
 import torch
 
-from speedkv.core.attention import decode_attention
+from speedkv.core.attention import batch_decode_attention
 from speedkv.core.cache import KVCache
 from speedkv.core.flops import decode_flops, prefill_flops
+from speedkv.core.native import native_ops
 from speedkv.core.policy import Policy, PromptInfo
 from speedkv.core.prefill import Prefill, PrefillRun
 from speedkv.core.prefix import CachedPrefix, PrefixCache, common_prefix
@@ -155,6 +156,8 @@ class Engine:
         self.chunk_size = chunk_size
         self.eos_ids = model.eos_token_ids()
         self._companions: dict[str, Engine] = {}
+        if self.device.type == "cpu":
+            native_ops()  # built now if it must be, not inside the first request's decode
 
     @classmethod
     def from_hf(
@@ -233,8 +236,9 @@ class Engine:
     ) -> torch.Tensor:
         """Feed one token per sequence through every layer; return logits [B, vocab].
 
-        Projections and MLPs run batched; each sequence attends over its own cache, so
-        sequences of different lengths and methods share a step.
+        Projections and MLPs run batched; each sequence attends over its own cache (in one
+        kernel call for the batch where the native kernel runs), so sequences of different
+        lengths and methods share a step.
         """
         bb = self.backbone
         h = bb.embed(torch.tensor(tokens, device=self.device))[:, None, :]  # [B, 1, H]
@@ -247,10 +251,10 @@ class Engine:
             if layer in sources:
                 saved[layer] = h
             q, k, v = bb.before_attention(layer, h, cos, sin)  # [B, heads, 1, D]
-            outs = []
-            for b, plan in enumerate(plans):
-                owner, kv_input, keep = plan[layer]
-                kv = caches[b].layers[layer]
+            layers = [cache.layers[layer] for cache in caches]
+            keys, values = [], []
+            for b, (plan, kv) in enumerate(zip(plans, layers)):
+                owner, kv_input, _ = plan[layer]
                 live = kv.length
                 if owner == layer:
                     kb, vb = k[b], v[b]
@@ -260,11 +264,14 @@ class Engine:
                     kv.write_next(kb, vb, positions[b])
                     live += 1
                 kv.reads += live
-                outs.append(decode_attention(q[b], kv.k[:, :live], kv.v[:, :live]))
+                keys.append(kv.k[:, :live])
+                values.append(kv.v[:, :live])
+            o = batch_decode_attention(q, keys, values)
+            for b, (plan, kv) in enumerate(zip(plans, layers)):
+                owner, _, keep = plan[layer]
                 if owner == layer and keep:
                     kv.commit()
                 policies[b].after_decode(layer, q[b], kv)
-            o = outs[0][None] if len(outs) == 1 else torch.stack(outs)
             h = bb.after_attention(layer, h, o)
         return bb.logits(bb.final_norm(h[:, -1]))
 
