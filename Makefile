@@ -209,6 +209,12 @@ full-study-eval: install
 	$(FULL_EVAL) --model smollm2-135m --adapter $(SPEED22_ADAPTER) --out runs/full-it-eval/lora-speed22-bos \
 		--methods "speed:lcut=22,anchors=bos"
 
+# The study's one table (docs/training.md): every run above, a row per model and method.
+.PHONY: full-study-table
+full-study-table: install
+	$(VENV)/bin/speedkv eval-report $(addprefix runs/full-it-eval/,full speed22-bos speed22-none \
+		speed18-bos untrained lora-speed22-bos) --command "make full-study-eval full-study-table"
+
 # SPEED-aware LoRA (docs/training.md). One recipe for every run, so SPEED and full-depth LoRA
 # compare fairly; re-running a target resumes its run where it stopped.
 TRAIN_RECIPE := --model smollm2-135m --data builtin --steps 600 --seq-len 2048 --lr 5e-4 \

@@ -472,6 +472,32 @@ def test_eval_json_and_report(word_model, tmp_path, monkeypatch, capsys):
     assert code == 2 and "ending in .md" in err
 
 
+def test_eval_report_compares_several_runs_in_one_table(word_model, tmp_path, monkeypatch, capsys):
+    """Several directories: a row per run and method, fidelity as perplexity, its ratio and
+    top-1 agreement, each run's reference named under the table."""
+    outs = []
+    for name, methods in (("a", "full"), ("b", "speed:lcut=2")):
+        out = tmp_path / name
+        args = ["eval", "--methods", methods, "--tasks", "niah,fidelity", "--lengths", "300"]
+        args += ["--samples", "1", "--json", "--out", str(out)]
+        code, _, _ = run_cli(args, monkeypatch, capsys, model=word_model)
+        assert code == 0
+        outs.append(str(out))
+    code, page, _ = run_cli(["eval-report", *outs, "--command", "make study"], monkeypatch, capsys)
+    assert code == 0
+    header, rule, *rows = [line for line in page.splitlines() if line.startswith("|")]
+    assert header.startswith("| model | method | niah 300 | ppl 300 | ppl ratio 300 |")
+    assert "top-1 agr. 300" in header
+    speed = "speed:lcut=2,anchors=bos,deep=1,selfonly=false"
+    assert [row.split(" | ")[1] for row in rows] == ["`full`", "`full`", f"`{speed}`"]
+    assert all(len(row.split("|")) == len(header.split("|")) for row in rows)
+    assert "make study" in page and page.count("fidelity and sanity against its own model") == 2
+    code, stdout, _ = run_cli(["eval-report", *outs, "--json"], monkeypatch, capsys)
+    assert code == 0 and set(json.loads(stdout)) == set(outs)
+    code, _, err = run_cli(["eval-report", outs[0], str(tmp_path / "none")], monkeypatch, capsys)
+    assert code == 2 and "does not exist" in err
+
+
 def test_results_markdown_names_the_setup():
     result = {
         "config": {"model": "m", "dtype": "bfloat16", "split": "eval", "seed": 0,

@@ -147,7 +147,14 @@ def eval_command(
 
 @commands.command("eval-report")
 def eval_report_command(
-    directory: Annotated[Path, typer.Argument(help="A `speedkv eval --out` directory.")],
+    directories: Annotated[
+        list[Path],
+        typer.Argument(
+            help="A `speedkv eval --out` directory, or several: then one table compares them "
+            "(a row per run and method).",
+            metavar="DIRECTORY...",
+        ),
+    ],
     command: Annotated[
         str | None,
         typer.Option("--command", help="The command that regenerates it, quoted in the page."),
@@ -171,13 +178,26 @@ def eval_report_command(
     ] = None,
     as_json: AsJson = False,
 ) -> None:
-    """Print the results page (markdown) of an evaluation: setup, method, every table."""
-    from speedkv.evals.report import FIGURES, results_markdown
+    """Print the results page (markdown) of an evaluation: setup, method, every table. With
+    several directories, one table compares them instead."""
+    from speedkv.evals.report import FIGURES, comparison_markdown, results_markdown
 
     if page is not None and page.suffix != ".md":
         raise UserError(f"--page must name a markdown file ending in .md, got '{page}'")
     notes = read_text_file(findings, "findings file") if findings is not None else None
-    result = read_results(directory)
+    results = [read_results(directory) for directory in directories]
+    if len(results) > 1:
+        if as_json:
+            print(json.dumps({str(d): r["summary"] for d, r in zip(directories, results)}))
+            return
+        text = comparison_markdown(results, command) + (f"\n{notes.strip()}\n" if notes else "")
+        if page is None:
+            print(text, end="")
+        else:
+            page.write_text(text)
+            log(f"wrote {page}")
+        return
+    directory, result = directories[0], results[0]
     if as_json:
         print(json.dumps(result["summary"], indent=2))
         return

@@ -379,6 +379,63 @@ FIGURES = {  # plots a results page shows (as write_outputs names them) and thei
 
 
 # -- docs/results.md ----------------------------------------------------------------------------
+COMPARE = {  # task -> [(summary key, column label, format)] for tables across runs
+    "fidelity": [
+        ("ppl", "ppl", "{:.2f}".format),
+        ("ppl_ratio", "ppl ratio", "{:.3f}".format),
+        ("agreement", "top-1 agr.", "{:.3f}".format),
+    ],
+    "sanity": [("score", "sanity", percent), ("token_agreement", "sanity agr.", "{:.3f}".format)],
+}
+
+
+def run_label(result: dict) -> str:
+    """A run's model, with its adapter if it had one."""
+    cfg = result["config"]
+    adapter = cfg.get("adapter")
+    return cfg["model"] + (f" + {Path(adapter).name}" if adapter else "")
+
+
+def comparison_markdown(results: list[dict], command: str | None = None) -> str:
+    """One table across several evaluations (say, models trained differently): a row per run
+    and method, the tasks' numbers as columns; fidelity and sanity are against each run's
+    reference, which the lines under the table name."""
+    columns = list(
+        dict.fromkeys((r["task"], r["length"]) for result in results for r in result["summary"])
+    )
+    metrics = [
+        (task, length, key, label, fmt)
+        for task, length in columns
+        for key, label, fmt in COMPARE.get(task, [HEADLINE[task]])
+    ]
+    labels = [
+        label + ("" if length == SHORT else f" {_length_label(length)}")
+        for _, length, _, label, _ in metrics
+    ]
+    lines = [
+        "| model | method | " + " | ".join(labels) + " |",
+        "|---|---|" + "---:|" * len(metrics),
+    ]
+    for result in results:
+        cells = {(r["method"], r["task"], r["length"]): r for r in result["summary"]}
+        for method in dict.fromkeys(r["method"] for r in result["summary"]):
+            values = []
+            for task, length, key, _, fmt in metrics:
+                row = cells.get((method, task, length))
+                value = None if row is None else row.get(key)
+                values.append("–" if value is None else fmt(value))
+            lines.append(f"| {run_label(result)} | `{method}` | " + " | ".join(values) + " |")
+    lines.append("")
+    for result in results:
+        reference = result.get("header", {}).get("reference") or result["config"].get("reference")
+        against = f"`{reference}` at full depth" if reference else "its own model at full depth"
+        lines.append(f"- {run_label(result)}: fidelity and sanity against {against}.")
+    page = "\n".join(lines) + "\n"
+    if command:
+        page = f"Regenerate with:\n\n```bash\n{command}\n```\n\n" + page
+    return page
+
+
 def results_markdown(
     result: dict,
     command: str | None = None,
