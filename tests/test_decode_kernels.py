@@ -100,6 +100,8 @@ def test_native_kernel_refuses_what_it_cannot_run():
         pytest.skip("the native kernel cannot be built here")
     q = torch.randn(2, 9, 64)
     k = [torch.randn(3, 5, 64), torch.randn(3, 6, 64)]
+    with pytest.raises(RuntimeError, match="at least one sequence"):
+        ops.decode_attention(q[:0], [], [], 0.125)
     with pytest.raises(RuntimeError, match="one key and one value tensor per sequence"):
         ops.decode_attention(q, k[:1], k[:1], 0.125)
     with pytest.raises(RuntimeError, match="must match keys"):

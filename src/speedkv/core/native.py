@@ -40,13 +40,8 @@ def native_ops():
     off or cannot be built here (the reason is warned about once)."""
     if not native_enabled():
         return None
-    build = cache_dir() / "kernels" / _build_key()
-    library = build / "speedkv_kernels.so"
     try:
-        if library.is_file():
-            torch.ops.load_library(str(library))
-        else:
-            _compile(build)
+        _compile(cache_dir() / "kernels" / _build_key())
     except Exception as error:  # noqa: BLE001 - any build failure means: use torch's kernels
         warnings.warn(
             f"speedkv's native CPU kernels could not be built ({type(error).__name__}: "
@@ -60,10 +55,14 @@ def native_ops():
 
 
 def _compile(build: Path) -> None:
+    """Build the library into `build` unless it is there, and load it. torch's builder holds
+    a lock in the directory, so processes starting together build it once; when it is built,
+    this only loads it (about 30 ms)."""
     from torch.utils.cpp_extension import load
 
-    build.mkdir(parents=True, exist_ok=True)
-    log(f"compiling speedkv's CPU kernels into {build} (once for this machine)")
+    if not (build / "speedkv_kernels.so").is_file():
+        build.mkdir(parents=True, exist_ok=True)
+        log(f"compiling speedkv's CPU kernels into {build} (once for this machine)")
     with _ninja_on_path():
         load(
             name="speedkv_kernels",

@@ -231,6 +231,7 @@ void run_dim(const at::Tensor& q, at::TensorList keys, at::TensorList values, do
 at::Tensor decode_attention(const at::Tensor& q, at::TensorList keys, at::TensorList values,
                             double scale) {
   TORCH_CHECK(q.dim() == 3 && q.is_contiguous(), "q must be a contiguous [batch, heads, dim]");
+  TORCH_CHECK(!keys.empty(), "at least one sequence");
   TORCH_CHECK(static_cast<int64_t>(keys.size()) == q.size(0) &&
                   static_cast<int64_t>(values.size()) == q.size(0),
               "one key and one value tensor per sequence");
