@@ -272,3 +272,111 @@ def test_prepacked_decode_equals_plain_weights(family, dtype):
     for spec, rows in zip(specs, plain_rows):
         tolerance = 1e-4 if dtype == torch.float32 else 0.0
         assert (logits(spec) - rows).abs().max() <= tolerance, spec
+
+
+# -- the native small operations of a decode step (core/csrc/decode_ops.cpp) ------------------
+@pytest.fixture(scope="module")
+def small_ops():
+    ops = native.native_ops()
+    if ops is None:
+        pytest.skip("the native kernels cannot be built here")
+    return ops
+
+
+def torch_small_steps(h, y, norm, gate_up, qkv, cos, sin, heads, kv_heads, dim):
+    """What the native operations replace, composed of torch's operations as decode_layer
+    composes them."""
+    from speedkv.hf import decode_layer
+
+    summed = h + y
+    gate, up = gate_up.split(gate_up.shape[-1] // 2, dim=-1)
+    q, k, v = qkv.split((heads * dim, kv_heads * dim, kv_heads * dim), dim=-1)
+    q, k, v = (decode_layer.heads(t, dim) for t in (q, k, v))
+    return {
+        "rms_norm": decode_layer.rms_norm(h, norm, 1e-5),
+        "add_rms_norm": (summed, decode_layer.rms_norm(summed, norm, 1e-5)),
+        "silu_mul": F.silu(gate) * up,
+        "rotary_split": (
+            decode_layer.apply_rope(q, cos, sin),
+            decode_layer.apply_rope(k, cos, sin),
+            v,
+        ),
+    }
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize(("heads", "kv_heads", "dim"), [(9, 3, 64), (14, 2, 64), (4, 4, 128)])
+def test_native_small_ops_equal_torchs(small_ops, dtype, heads, kv_heads, dim):
+    """Bit for bit in bfloat16 (the same roundings, in the same places); float16 within one
+    step and float32 within a few ulps (the norm's sum of squares runs in another order)."""
+    g = torch.Generator().manual_seed(dim + heads)
+    batch, hidden, inner = 5, heads * dim, 3 * heads * dim
+
+    def rand(*shape, scale=1.0):
+        return (torch.randn(*shape, generator=g) * scale).to(dtype)
+
+    h, y, norm = rand(batch, 1, hidden, scale=4), rand(batch, 1, hidden), rand(hidden) + 1
+    gate_up = rand(batch, 1, 2 * inner, scale=3)
+    qkv = rand(batch, 1, (heads + 2 * kv_heads) * dim, scale=2)
+    angles = torch.rand(batch, 1, 1, dim, generator=g) * 6
+    cos, sin = angles.cos().to(dtype), angles.sin().to(dtype)
+    expected = torch_small_steps(h, y, norm, gate_up, qkv, cos, sin, heads, kv_heads, dim)
+    got = {
+        "rms_norm": small_ops.rms_norm(h, norm, 1e-5),
+        "add_rms_norm": small_ops.add_rms_norm(h, y, norm, 1e-5),
+        "silu_mul": small_ops.silu_mul(gate_up),
+        "rotary_split": small_ops.rotary_split(qkv, cos, sin, heads, kv_heads),
+    }
+    for name, outputs in got.items():
+        wanted = expected[name]
+        outputs = outputs if isinstance(outputs, tuple) else (outputs,)
+        wanted = wanted if isinstance(wanted, tuple) else (wanted,)
+        for out, want in zip(outputs, wanted, strict=True):
+            assert out.shape == want.shape and out.dtype == dtype, name
+            if dtype == torch.bfloat16:
+                assert torch.equal(out, want), name
+            else:
+                step = 1e-5 if dtype == torch.float32 else 2**-10
+                assert torch.allclose(out, want, rtol=step, atol=step), name
+
+
+def test_native_small_ops_refuse_what_they_cannot_run(small_ops):
+    h = torch.randn(2, 1, 64)
+    with pytest.raises(RuntimeError, match="one entry per feature"):
+        small_ops.rms_norm(h, torch.ones(63), 1e-5)
+    with pytest.raises(RuntimeError, match="share a dtype"):
+        small_ops.rms_norm(h, torch.ones(64, dtype=torch.bfloat16), 1e-5)
+    with pytest.raises(RuntimeError, match="one shape and dtype"):
+        small_ops.add_rms_norm(h, torch.randn(2, 2, 64), torch.ones(64), 1e-5)
+    with pytest.raises(RuntimeError, match="same width"):
+        small_ops.silu_mul(torch.randn(2, 1, 7))
+    cos = torch.randn(2, 1, 1, 16)
+    with pytest.raises(RuntimeError, match="q_heads \\+ 2 kv_heads"):
+        small_ops.rotary_split(torch.randn(2, 1, 100), cos, cos, 4, 2)
+    with pytest.raises(RuntimeError, match="cos and sin must be"):
+        small_ops.rotary_split(torch.randn(2, 1, 128), cos[:1], cos[:1], 4, 2)
+    with pytest.raises(RuntimeError, match="\\[batch, 1, width\\]"):
+        small_ops.rotary_split(torch.randn(2, 3, 128), cos, cos, 4, 2)
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen2"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_engine_decode_is_the_same_with_and_without_the_small_ops(small_ops, family, dtype):
+    """A batch of full and SPEED sequences of different lengths decodes the same tokens with
+    the native small operations as with torch's; float32 logits within rounding, bfloat16
+    logits identical."""
+    model = tiny_model(family)
+    model.hf_model.to(dtype)
+    engine = Engine(model)
+    assert model.backbone.native_ops is not None  # the engine handed them over
+    specs = ["full", "speed:lcut=3,anchors=bos"]
+    prompts = [random_prompt(n, seed=n) for n in (9, 40)]
+
+    def logits():
+        return greedy_with_logits(engine, prompts[1], make_policy(specs[1], model.shape), 5)[1]
+
+    fused_tokens, fused_logits = batch_tokens(engine, prompts, specs, 6), logits()
+    model.backbone.native_ops = None
+    assert batch_tokens(engine, prompts, specs, 6) == fused_tokens
+    tolerance = 1e-4 if dtype == torch.float32 else 0.0
+    assert (logits() - fused_logits).abs().max() <= tolerance

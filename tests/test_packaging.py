@@ -16,8 +16,11 @@ def test_installed_package_has_py_typed():
     assert files("speedkv").joinpath("py.typed").is_file()
 
 
-def test_installed_package_has_the_native_kernel_source():
-    assert files("speedkv").joinpath("core/csrc/decode_attention.cpp").is_file()
+def test_installed_package_has_the_native_kernel_sources():
+    from speedkv.core.native import KERNELS
+
+    for name in KERNELS:
+        assert files("speedkv").joinpath(f"core/csrc/{name}").is_file(), name
 
 
 def test_wheel_ships_py_typed_and_the_kernel_source(tmp_path):
@@ -38,4 +41,6 @@ def test_wheel_ships_py_typed_and_the_kernel_source(tmp_path):
     (wheel,) = (tmp_path / "dist").glob("speedkv-*.whl")
     names = zipfile.ZipFile(wheel).namelist()
     assert "speedkv/py.typed" in names
-    assert "speedkv/core/csrc/decode_attention.cpp" in names
+    from speedkv.core.native import KERNELS
+
+    assert {f"speedkv/core/csrc/{name}" for name in KERNELS} <= set(names)

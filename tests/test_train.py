@@ -381,6 +381,12 @@ def test_adapter_method_mismatch_warns_and_shape_mismatch_refuses(tiny, tmp_path
     assert f"trained for '{spec}' but runs with 'full'" in method_mismatch(info, full)
     merged = apply_adapter(tiny, tmp_path)
     assert merged.hf_model is not tiny.hf_model
+    assert not merged.backbone.prepacked
+    tiny.backbone.prepack_decode(True)
+    try:  # the merged copy decodes as its base does, prepacked weights included
+        assert apply_adapter(tiny, tmp_path).backbone.prepacked
+    finally:
+        tiny.backbone.prepack_decode(False)
     (tmp_path / INFO_NAME).write_text(json.dumps({**record, "model_shape": {"num_layers": 99}}))
     with pytest.raises(UserError, match="num_layers=99"):
         apply_adapter(tiny, tmp_path)

@@ -6,7 +6,6 @@ from __future__ import annotations
 import json
 from collections.abc import Sequence
 from functools import partial
-from pathlib import Path
 from typing import Annotated
 
 import typer
@@ -48,23 +47,22 @@ def run_demo(
     prompt_tokens: int,
     max_new_tokens: int,
     as_json: bool,
-    adapter: Path | None = None,
+    adapted_model: LoadedModel | None = None,
+    trained_for: str | None = None,
 ) -> dict:
+    """Run the demo; with `adapted_model` (the same model with an adapter merged, loaded the
+    same way), the method the adapter was trained for (`trained_for`) runs on it instead."""
     engine = Engine(loaded)
     bound = [make_policy("full", loaded.shape), *(m.bind(loaded.shape) for m in methods)]
     policies = {policy.spec(): policy for policy in bound}  # full first, each method once
-    trained_for, adapted = None, None
-    if adapter is not None:  # the adapter's own method runs with it; full stays the base model
-        from speedkv.hf.adapters import apply_adapter, read_adapter_info
-
-        trained_for = read_adapter_info(adapter).get("method")
-        adapted = Engine(apply_adapter(loaded, adapter))
+    adapted = Engine(adapted_model) if adapted_model is not None else None
     # the calibration split: demo prompts are designed, and the eval split is kept for measuring
     document = plant(haystack_text(loaded.tokenizer, prompt_tokens, split="calib"), FACT, depth=0.7)
     prompt = f"{document}\n\n{QUESTION}"
     sampling = SamplingParams(max_new_tokens=max_new_tokens)
     log("warming up")
-    engine.generate([engine.request("Hello.", "full", sampling=SamplingParams(max_new_tokens=2))])
+    for warm in (engine, adapted) if adapted is not None else (engine,):
+        warm.generate([warm.request("Hello.", "full", sampling=SamplingParams(max_new_tokens=2))])
     rows = []
     for spec, policy in policies.items():
         runner = adapted if adapted is not None and spec == trained_for else engine
@@ -168,6 +166,14 @@ def demo(
     for runs with it and full runs without."""
     set_threads(threads)
     loaded = load(model, dtype, device, weights=weights, prepack=prepack)
+    adapted, trained_for = None, None
+    if adapter is not None:  # the adapter's own method runs with it; full stays the base model
+        from speedkv.hf.adapters import read_adapter_info
+
+        trained_for = read_adapter_info(adapter).get("method")
+        # loaded like the base (adapter merged first, then weights and prepacking), so the
+        # two differ only in the adapter
+        adapted = load(model, dtype, device, adapter, weights, prepack)
     if methods is None:
         methods = [parse_spec(demo_method(model))]
-    run_demo(loaded, methods, prompt_tokens, max_new_tokens, as_json, adapter)
+    run_demo(loaded, methods, prompt_tokens, max_new_tokens, as_json, adapted, trained_for)

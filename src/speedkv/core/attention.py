@@ -1,8 +1,10 @@
 """Attention kernels for the engine's prefill chunks and decode steps.
 
-Prefill goes through torch's scaled_dot_product_attention, which on CPU and GPU has fused
-kernels that never materialise the full score matrix; grouped-query heads are handled by the
-kernel (`enable_gqa`) instead of copying K/V per query head.
+Causal bfloat16 prefill on a CPU with AVX512-BF16 runs speedkv's own flash-style kernel
+(core/csrc/prefill_attention.cpp). Everything else -- float32, an explicit mask, a GPU, a
+CPU without those instructions -- goes through torch's scaled_dot_product_attention, which
+also never materialises the full score matrix; grouped-query heads are handled by the kernel
+(`enable_gqa`) instead of copying K/V per query head.
 
 A decode step on a CPU runs every sequence of the batch through speedkv's own kernel
 (core/csrc/decode_attention.cpp) in one call, when it could be built here (core/native.py).
@@ -16,7 +18,7 @@ import torch
 import torch.nn.functional as F
 from torch.nn.attention.bias import causal_lower_right
 
-from speedkv.core.native import native_ops
+from speedkv.core.native import has_prefill_kernel, native_ops
 
 
 def prefill_attention(
@@ -29,6 +31,10 @@ def prefill_attention(
     Returns [Hq, n_q, D].
     """
     n_q, n_k = q.shape[1], k.shape[1]
+    if mask is None and _native_prefill_fits(q, k, v):
+        ops = native_ops()
+        if has_prefill_kernel(ops):
+            return ops.causal_attention(q, k, v, q.shape[-1] ** -0.5)
     kwargs = {"enable_gqa": q.shape[0] != k.shape[0]}
     if mask is not None:
         out = F.scaled_dot_product_attention(q[None], k[None], v[None], attn_mask=mask, **kwargs)
@@ -38,6 +44,17 @@ def prefill_attention(
         bias = causal_lower_right(n_q, n_k)
         out = F.scaled_dot_product_attention(q[None], k[None], v[None], attn_mask=bias, **kwargs)
     return out[0]
+
+
+def _native_prefill_fits(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> bool:
+    """Whether the native prefill kernel takes these: bfloat16 on a CPU, a head size its
+    registers cover, rows contiguous. float32 stays on torch's kernel, the exact reference."""
+    return (
+        q.device.type == "cpu"
+        and q.dtype == k.dtype == v.dtype == torch.bfloat16
+        and q.shape[-1] in (32, 64, 128)
+        and q.stride(-1) == k.stride(-1) == v.stride(-1) == 1
+    )
 
 
 def batch_decode_attention(

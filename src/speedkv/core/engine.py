@@ -156,8 +156,8 @@ class Engine:
         self.chunk_size = chunk_size
         self.eos_ids = model.eos_token_ids()
         self._companions: dict[str, Engine] = {}
-        if self.device.type == "cpu":
-            native_ops()  # built now if it must be, not inside the first request's decode
+        if self.device.type == "cpu":  # built now if need be, not in the first request's decode
+            model.backbone.native_ops = native_ops()
 
     @classmethod
     def from_hf(

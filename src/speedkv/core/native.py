@@ -6,7 +6,8 @@ in well under a second. The build is keyed by the source, torch's version and th
 instruction sets, since it is compiled with `-march=native`.
 
 Without a compiler, or with `SPEEDKV_KERNELS=torch`, the engine keeps torch's own kernels:
-the same results within rounding, slower. CUDA tensors always take torch's kernels.
+the same results within rounding, slower. CUDA tensors always take torch's kernels. The
+bfloat16 prefill kernel exists only where the CPU has AVX512-BF16 (`has_prefill_kernel`).
 """
 
 from __future__ import annotations
@@ -24,7 +25,8 @@ import torch
 from speedkv.hf.loading import cache_dir
 from speedkv.log import log
 
-SOURCES = [Path(__file__).parent / "csrc" / "decode_attention.cpp"]
+KERNELS = ("decode_attention.cpp", "decode_ops.cpp", "prefill_attention.cpp")
+SOURCES = [Path(__file__).parent / "csrc" / name for name in KERNELS]
 SWITCH = "SPEEDKV_KERNELS"  # "torch" turns the native kernels off
 FLAGS = ["-O3", "-march=native", "-fopenmp"]
 
@@ -52,6 +54,12 @@ def native_ops():
         )
         return None
     return torch.ops.speedkv
+
+
+def has_prefill_kernel(ops) -> bool:
+    """Whether `ops` (from `native_ops`) has the bfloat16 prefill kernel: it is compiled only
+    for CPUs with the AVX512-BF16 instructions."""
+    return ops is not None and hasattr(ops, "causal_attention")
 
 
 def _compile(build: Path) -> None:

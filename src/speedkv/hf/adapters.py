@@ -75,7 +75,9 @@ def apply_adapter(loaded: LoadedModel, adapter_dir: str | Path) -> LoadedModel:
     merged = wrapped.merge_and_unload()
     merged.eval().requires_grad_(False)
     name = f"{loaded.name}+{Path(adapter_dir).name}"
-    return LoadedModel(name=name, hf_model=merged, tokenizer=loaded.tokenizer, source=loaded.source)
+    adapted = LoadedModel(name, merged, loaded.tokenizer, loaded.source)
+    adapted.backbone.prepack_decode(loaded.backbone.prepacked)  # decode as `loaded` does
+    return adapted
 
 
 def _check_shape(info: dict, loaded: LoadedModel, adapter_dir) -> None:

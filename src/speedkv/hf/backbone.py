@@ -167,6 +167,8 @@ class Backbone:
         self._dims = decode_dims(self.config, self.shape)
         self.prepacked = False
         self._packed_head: tuple[torch.Tensor | None, ...] | None = None
+        # speedkv's native CPU operations (torch.ops.speedkv), when the engine found them
+        self.native_ops = None
 
     # -- basic facts --------------------------------------------------------------------------
     @property
@@ -300,14 +302,14 @@ class Backbone:
         weights = self.decode_weights()[layer]
         if weights is None:
             return self.qkv(layer, self.input_norm(layer, h), cos, sin)
-        return decode_layer.before_attention(h, weights, cos, sin, self._dims)
+        return decode_layer.before_attention(h, weights, cos, sin, self._dims, self.native_ops)
 
     def after_attention(self, layer: int, h: torch.Tensor, o: torch.Tensor) -> torch.Tensor:
         """The residual leaving `layer`, from the one entering it and attention output o."""
         weights = self.decode_weights()[layer]
         if weights is None:
             return self.mlp_block(layer, h + self.attn_out(layer, o))
-        return decode_layer.after_attention(h, o, weights, self._dims)
+        return decode_layer.after_attention(h, o, weights, self._dims, self.native_ops)
 
     def decode_weights(self) -> list[LayerTensors | None]:
         """Every layer's weights as plain tensors; None for a layer where some piece must run

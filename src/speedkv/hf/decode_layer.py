@@ -9,6 +9,10 @@ operations per layer instead of the model's modules, one by one.
 A layer runs through here only when every piece is a plain tensor operation: frozen plain or
 int8 linear layers, the families' RMSNorm, SiLU, no per-head q/k norms. Otherwise the backbone
 runs the model's own modules (see `Backbone.decode_weights`).
+
+Given `ops` (speedkv's native CPU operations, which the engine hands the backbone), a decode
+token's small steps -- norm, residual add and norm, rotary and the split into heads, SiLU
+times up -- are one call each instead of a dozen, with the same roundings.
 """
 
 from __future__ import annotations
@@ -69,14 +73,24 @@ def heads(x: torch.Tensor, head_dim: int) -> torch.Tensor:
     return x.unflatten(-1, (-1, head_dim)).transpose(-3, -2)
 
 
+def one_token_rows(h: torch.Tensor, ops) -> bool:
+    """Whether the native small operations take h: one token per sequence ([B, 1, H])."""
+    return ops is not None and h.dim() == 3 and h.shape[1] == 1 and h.device.type == "cpu"
+
+
 def before_attention(
     h: torch.Tensor,
     weights: LayerTensors,
     cos: torch.Tensor,
     sin: torch.Tensor,
     dims: LayerDims,
+    ops=None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Post-rotary q [..., Hq, n, D] and k, v [..., Hkv, n, D] of the residual h [..., n, H]."""
+    if one_token_rows(h, ops):
+        qkv = apply_linear(ops.rms_norm(h, weights.input_norm, dims.eps), weights.qkv)
+        q_heads, kv_heads = (size // dims.head_dim for size in dims.qkv_sizes[:2])
+        return ops.rotary_split(qkv, cos, sin, q_heads, kv_heads)
     x = rms_norm(h, weights.input_norm, dims.eps)
     q, k, v = apply_linear(x, weights.qkv).split(dims.qkv_sizes, dim=-1)
     q, k, v = heads(q, dims.head_dim), heads(k, dims.head_dim), heads(v, dims.head_dim)
@@ -84,10 +98,14 @@ def before_attention(
 
 
 def after_attention(
-    h: torch.Tensor, o: torch.Tensor, weights: LayerTensors, dims: LayerDims
+    h: torch.Tensor, o: torch.Tensor, weights: LayerTensors, dims: LayerDims, ops=None
 ) -> torch.Tensor:
     """The residual leaving the layer, from the one entering it (h [..., n, H]) and the
     attention output o [..., Hq, n, D]."""
+    if one_token_rows(h, ops):
+        attended = apply_linear(o.transpose(-3, -2).flatten(-2), weights.o)
+        h, x = ops.add_rms_norm(h, attended, weights.post_norm, dims.eps)
+        return h + apply_linear(ops.silu_mul(apply_linear(x, weights.gate_up)), weights.down)
     h = h + apply_linear(o.transpose(-3, -2).flatten(-2), weights.o)
     x = rms_norm(h, weights.post_norm, dims.eps)
     gate, up = apply_linear(x, weights.gate_up).split(dims.intermediate, dim=-1)
