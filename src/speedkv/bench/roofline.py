@@ -11,6 +11,7 @@ from dataclasses import dataclass
 
 import torch
 
+from speedkv.core.native import native_ops
 from speedkv.hf import fused
 from speedkv.hf.loading import dtype_name
 
@@ -87,8 +88,8 @@ def measure_gemv(
 ) -> float:
     """Weight bytes per second of one-row matrix products over weights far larger than any
     cache, in decoder-layer shapes: the rate a batch-1 decode step's weight reads can reach
-    with the kernels it runs (torch's int8 weight kernel for int8 weights on a CPU, oneDNN's
-    for prepacked ones)."""
+    with the kernels it runs (torch's int8 weight kernel for int8 weights on a CPU; for
+    prepacked ones speedkv's native kernel where the engine uses it, else oneDNN's)."""
     rows, cols = 2048, 1024
     element = 1 if int8 else torch.empty((), dtype=dtype).element_size()
     count = max(1, megabytes * 2**20 // (rows * cols * element))
@@ -102,7 +103,8 @@ def measure_gemv(
     else:
         mats = [(torch.randn(rows, cols, device=device).to(dtype), None) for _ in range(count)]
         if prepacked and fused.can_prepack(mats[0]):
-            mats = [fused.prepacked(w) for w in mats]
+            ops = native_ops() if device.type == "cpu" else None
+            mats = [fused.prepacked(w, ops) for w in mats]
 
     def run() -> None:
         for w in mats:

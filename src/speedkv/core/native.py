@@ -25,7 +25,7 @@ import torch
 from speedkv.hf.loading import cache_dir
 from speedkv.log import log
 
-KERNELS = ("decode_attention.cpp", "decode_ops.cpp", "prefill_attention.cpp")
+KERNELS = ("decode_attention.cpp", "decode_linear.cpp", "decode_ops.cpp", "prefill_attention.cpp")
 SOURCES = [Path(__file__).parent / "csrc" / name for name in KERNELS]
 SWITCH = "SPEEDKV_KERNELS"  # "torch" turns the native kernels off
 FLAGS = ["-O3", "-march=native", "-fopenmp"]
@@ -60,6 +60,11 @@ def has_prefill_kernel(ops) -> bool:
     """Whether `ops` (from `native_ops`) has the bfloat16 prefill kernel: it is compiled only
     for CPUs with the AVX512-BF16 instructions."""
     return ops is not None and hasattr(ops, "causal_attention")
+
+
+def has_linear_kernel(ops) -> bool:
+    """Whether `ops` has the bfloat16 decode linear kernel (AVX512-BF16 CPUs only)."""
+    return ops is not None and hasattr(ops, "packed_linear")
 
 
 def _compile(build: Path) -> None:

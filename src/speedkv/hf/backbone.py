@@ -123,13 +123,13 @@ def can_prepack_layer(weights: LayerTensors | None) -> bool:
     )
 
 
-def prepack_layer(weights: LayerTensors) -> LayerTensors:
+def prepack_layer(weights: LayerTensors, ops=None) -> LayerTensors:
     return dataclasses.replace(
         weights,
-        qkv=prepacked(weights.qkv),
-        o=prepacked(weights.o),
-        gate_up=prepacked(weights.gate_up),
-        down=prepacked(weights.down),
+        qkv=prepacked(weights.qkv, ops),
+        o=prepacked(weights.o, ops),
+        gate_up=prepacked(weights.gate_up, ops),
+        down=prepacked(weights.down, ops),
     )
 
 
@@ -330,8 +330,8 @@ class Backbone:
         head = linear_tensors(self._lm_head)
         self._packed_head = None
         if self.prepacked and can_prepack(head) and all(can_prepack_layer(w) for w in layers):
-            layers = [prepack_layer(w) for w in layers]  # type: ignore[arg-type]
-            self._packed_head = prepacked(head)  # type: ignore[arg-type]
+            layers = [prepack_layer(w, self.native_ops) for w in layers]  # type: ignore[arg-type]
+            self._packed_head = prepacked(head, self.native_ops)  # type: ignore[arg-type]
         self._decode_weights = layers
         self._weights_key = self._parameter_ids()  # fusing replaced the parts' parameters
 

@@ -60,6 +60,8 @@ def apply_linear(x: torch.Tensor, tensors: tuple[torch.Tensor | None, ...]) -> t
     weight, bias = tensors
     if weight.is_mkldnn:
         return torch.ops.mkldnn._linear_pointwise(x, weight, bias, "none", [], "")
+    if weight.dim() == 4:  # packed by speedkv's native kernels (see `prepacked`)
+        return torch.ops.speedkv.packed_linear(x.contiguous(), weight, bias)
     return F.linear(x, weight, bias)
 
 
@@ -75,13 +77,30 @@ def can_prepack(tensors: tuple[torch.Tensor | None, ...] | None) -> bool:
     )
 
 
-def prepacked(tensors: tuple[torch.Tensor | None, ...]) -> tuple[torch.Tensor | None, ...]:
-    """A copy of a plain linear layer's (weight, bias) with the weight in oneDNN's blocked
-    layout for one-row inputs: matrix-vector products read it about 1.8x faster on this
-    project's CPU than torch's own kernels read the plain weight (same results). The copy
-    is the cost: the layer's weight is held twice."""
+def prepacked(
+    tensors: tuple[torch.Tensor | None, ...], ops=None
+) -> tuple[torch.Tensor | None, ...]:
+    """A copy of a plain linear layer's (weight, bias) with the weight in a layout made for
+    one-row inputs. With `ops` (speedkv's native CPU operations) and a bfloat16 weight its
+    kernel takes, speedkv's own layout (core/csrc/decode_linear.cpp): one load feeds the
+    CPU's bfloat16 dot-product instruction for 16 outputs. Otherwise oneDNN's blocked
+    layout, which matrix-vector products read about 1.8x faster on this project's CPU than
+    torch's own kernels read the plain weight (same results). The copy is the cost: the
+    layer's weight is held twice."""
     weight, bias = tensors
+    if _native_packable(weight, ops):
+        return ops.pack_linear_weight(weight.detach()), bias
     return torch.ops.mkldnn._reorder_linear_weight(weight.detach(), 1), bias
+
+
+def _native_packable(weight: torch.Tensor, ops) -> bool:
+    return (
+        ops is not None
+        and hasattr(ops, "pack_linear_weight")  # built only for CPUs with AVX512-BF16
+        and weight.dtype == torch.bfloat16
+        and weight.shape[0] % 16 == 0
+        and weight.shape[1] % 2 == 0
+    )
 
 
 def _fuse(parts: list[nn.Module]) -> tuple[Projection, tuple | None]:
