@@ -17,9 +17,9 @@ def test_installed_package_has_py_typed():
 
 
 def test_installed_package_has_the_native_kernel_sources():
-    from speedkv.core.native import KERNELS
+    from speedkv.core.native import HEADERS, KERNELS
 
-    for name in KERNELS:
+    for name in KERNELS + HEADERS:
         assert files("speedkv").joinpath(f"core/csrc/{name}").is_file(), name
 
 
@@ -41,6 +41,6 @@ def test_wheel_ships_py_typed_and_the_kernel_source(tmp_path):
     (wheel,) = (tmp_path / "dist").glob("speedkv-*.whl")
     names = zipfile.ZipFile(wheel).namelist()
     assert "speedkv/py.typed" in names
-    from speedkv.core.native import KERNELS
+    from speedkv.core.native import HEADERS, KERNELS
 
-    assert {f"speedkv/core/csrc/{name}" for name in KERNELS} <= set(names)
+    assert {f"speedkv/core/csrc/{name}" for name in KERNELS + HEADERS} <= set(names)

@@ -26,6 +26,7 @@ from speedkv.hf.loading import cache_dir
 from speedkv.log import log
 
 KERNELS = ("decode_attention.cpp", "decode_linear.cpp", "decode_ops.cpp", "prefill_attention.cpp")
+HEADERS = ("bf16_pairs.h",)
 SOURCES = [Path(__file__).parent / "csrc" / name for name in KERNELS]
 SWITCH = "SPEEDKV_KERNELS"  # "torch" turns the native kernels off
 FLAGS = ["-O3", "-march=native", "-fopenmp"]
@@ -107,7 +108,7 @@ def _ninja_on_path():
 
 def _build_key() -> str:
     digest = hashlib.sha256()
-    for source in SOURCES:
+    for source in [*SOURCES, *(Path(__file__).parent / "csrc" / h for h in HEADERS)]:
         digest.update(source.read_bytes())
     digest.update(" ".join(FLAGS).encode())
     digest.update(torch.__version__.encode())

@@ -16,25 +16,18 @@
 #include <torch/library.h>
 
 #ifdef SPEEDKV_BF16_LINEAR
-#include <immintrin.h>
-
-#include <algorithm>
 #include <cstdint>
-#include <cstring>
+
+#include "bf16_pairs.h"
 
 namespace {
 
-using bf16 = at::BFloat16;
+using speedkv::bf16;
+using speedkv::load_pairs;
+using speedkv::pair_of;
+using speedkv::store_rounded;
 constexpr int64_t kOut = 16;  // outputs per tile: one register of float32 sums
 constexpr int64_t kRowsPerPass = 4;  // rows of x sharing each weight load
-
-inline __m512bh as_pairs(__m512i x) { return reinterpret_cast<__m512bh&>(x); }
-
-inline __m512bh pair_of(const bf16* p) {
-  int32_t word;
-  std::memcpy(&word, p, sizeof(word));
-  return as_pairs(_mm512_set1_epi32(word));
-}
 
 // [N, K] -> [N / 16][K / 2][16][2]
 at::Tensor pack_linear_weight(const at::Tensor& weight) {
@@ -67,22 +60,20 @@ inline void tile_rows(const bf16* x, int64_t k, const bf16* w, const float* bias
   const int64_t pairs = k / 2;
   int64_t p = 0;
   for (; p + 1 < pairs; p += 2) {
-    const __m512bh w0 = as_pairs(_mm512_loadu_si512(w + p * 2 * kOut));
-    const __m512bh w1 = as_pairs(_mm512_loadu_si512(w + (p + 1) * 2 * kOut));
+    const __m512bh w0 = load_pairs(w + p * 2 * kOut);
+    const __m512bh w1 = load_pairs(w + (p + 1) * 2 * kOut);
     for (int r = 0; r < R; ++r) {
       even[r] = _mm512_dpbf16_ps(even[r], pair_of(x + r * k + 2 * p), w0);
       odd[r] = _mm512_dpbf16_ps(odd[r], pair_of(x + r * k + 2 * p + 2), w1);
     }
   }
   if (p < pairs) {
-    const __m512bh w0 = as_pairs(_mm512_loadu_si512(w + p * 2 * kOut));
+    const __m512bh w0 = load_pairs(w + p * 2 * kOut);
     for (int r = 0; r < R; ++r) even[r] = _mm512_dpbf16_ps(even[r], pair_of(x + r * k + 2 * p), w0);
   }
   const __m512 b = bias != nullptr ? _mm512_loadu_ps(bias) : _mm512_setzero_ps();
-  for (int r = 0; r < R; ++r) {
-    __m256bh out = _mm512_cvtneps_pbh(_mm512_add_ps(_mm512_add_ps(even[r], odd[r]), b));
-    _mm256_storeu_si256(reinterpret_cast<__m256i*>(y + r * n), reinterpret_cast<__m256i&>(out));
-  }
+  for (int r = 0; r < R; ++r)
+    store_rounded(y + r * n, _mm512_add_ps(_mm512_add_ps(even[r], odd[r]), b));
 }
 
 at::Tensor packed_linear(const at::Tensor& x, const at::Tensor& packed,

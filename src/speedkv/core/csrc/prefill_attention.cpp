@@ -23,7 +23,8 @@
 
 #ifdef SPEEDKV_BF16_PREFILL
 #include <ATen/cpu/vec/vec.h>
-#include <immintrin.h>
+
+#include "bf16_pairs.h"
 
 #include <algorithm>
 #include <atomic>
@@ -36,27 +37,13 @@
 namespace {
 
 using Vec = at::vec::Vectorized<float>;
-using bf16 = at::BFloat16;
+using speedkv::bf16;
+using speedkv::load_pairs;
+using speedkv::pair_of;
+using speedkv::store_rounded;
 constexpr int64_t kRows = 32;  // queries per task
 constexpr int64_t kKeys = 64;  // keys per block: four registers of 16 scores
 constexpr float kMinusInf = -std::numeric_limits<float>::infinity();
-
-inline __m512bh as_pairs(__m512i x) { return reinterpret_cast<__m512bh&>(x); }
-
-// One 32-bit word (a pair of bfloat16) broadcast to every lane.
-inline __m512bh pair_of(const bf16* p) {
-  int32_t word;
-  std::memcpy(&word, p, sizeof(word));
-  return as_pairs(_mm512_set1_epi32(word));
-}
-
-inline __m512bh load_pairs(const bf16* p) { return as_pairs(_mm512_loadu_si512(p)); }
-
-// 16 floats rounded to bfloat16 (to nearest even) and stored.
-inline void store_rounded(bf16* p, __m512 x) {
-  __m256bh rounded = _mm512_cvtneps_pbh(x);
-  _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), reinterpret_cast<__m256i&>(rounded));
-}
 
 // K of one KV head as tiles of 16 keys: [tile][dim / 2][16 keys][2], zero past the last key.
 void pack_keys(const bf16* k, int64_t row_stride, int64_t n, int64_t dim, int64_t padded,

@@ -1,0 +1,83 @@
+"""A decode step's weight products alone: milliseconds per step and weight read rate, by
+kernel and batch size.
+
+    .venv/bin/python benchmarks/decode_linear.py --batches 1,8,32
+
+The 121 products of one SmolLM2 step (30 layers of stacked q/k/v, output, stacked gate/up and
+down projections, then the LM head), random bfloat16 weights, 269 MB in all: far more than
+the CPU's caches, so every step reads them from memory as a real step does. The kernels take
+turns; each row is the median of the rounds. Kernels:
+
+- `native`: speedkv's kernel on the CPU's bfloat16 dot-product instruction, weights packed
+  in its own layout (core/csrc/decode_linear.cpp); what `--prepack` runs on such CPUs;
+- `onednn`: oneDNN's kernel on weights prepacked in its blocked layout (torch's
+  `mkldnn._linear_pointwise`);
+- `plain`: torch's `F.linear` on the weights as loaded.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+
+import torch
+import torch.nn.functional as F
+
+from speedkv.core.native import has_linear_kernel, native_ops
+from speedkv.hf import fused
+
+LAYER_SHAPES = [(960, 576), (576, 576), (3072, 576), (576, 1536)]  # [out, in]
+HEAD_SHAPE = (49152, 576)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--batches", default="1,8,32", help="rows per product (sequences)")
+    parser.add_argument("--kernels", default="native,onednn,plain")
+    parser.add_argument("--layers", type=int, default=30)
+    parser.add_argument("--rounds", type=int, default=7)
+    parser.add_argument("--threads", type=int, default=0, help="0: torch's default")
+    args = parser.parse_args()
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    kernels = args.kernels.split(",")
+    ops = native_ops()
+    if "native" in kernels and not has_linear_kernel(ops):
+        parser.error("the native linear kernel is not available here (no AVX512-BF16?)")
+    shapes = LAYER_SHAPES * args.layers + [HEAD_SHAPE]
+    plain = [(torch.randn(shape).bfloat16(), None) for shape in shapes]
+    weights = {
+        "plain": plain,
+        "onednn": [fused.prepacked(w) for w in plain] if "onednn" in kernels else [],
+        "native": [fused.prepacked(w, ops) for w in plain] if "native" in kernels else [],
+    }
+    total = sum(w.numel() * w.element_size() for w, _ in plain)
+    print(f"torch threads: {torch.get_num_threads()}; {total / 1e6:.0f} MB of weights a step")
+    print("| batch | kernel | ms per step | weight GB/s |")
+    print("|---:|---|---:|---:|")
+    for batch in (int(b) for b in args.batches.split(",")):
+        inputs = {k: torch.randn(batch, 1, k).bfloat16() for k in {s[1] for s in shapes}}
+
+        def step(kernel: str, inputs: dict = inputs) -> None:
+            for (_, width), tensors in zip(shapes, weights[kernel]):
+                if kernel == "plain":
+                    F.linear(inputs[width], *tensors)
+                else:
+                    fused.apply_linear(inputs[width], tensors)
+
+        times: dict[str, list[float]] = {k: [] for k in kernels}
+        for kernel in kernels:
+            step(kernel)  # warm-up
+        for _ in range(args.rounds):
+            for kernel in kernels:
+                start = time.perf_counter()
+                step(kernel)
+                times[kernel].append(time.perf_counter() - start)
+        for kernel in kernels:
+            seconds = statistics.median(times[kernel])
+            print(f"| {batch} | {kernel} | {seconds * 1e3:.2f} | {total / seconds / 1e9:.1f} |")
+
+
+if __name__ == "__main__":
+    main()
