@@ -420,15 +420,43 @@ def test_native_linear_equals_reference(linear_ops, rows, out, inputs, bias):
 def test_native_linear_refuses_what_it_cannot_run(linear_ops):
     with pytest.raises(RuntimeError, match="multiple of 16"):
         linear_ops.pack_linear_weight(torch.randn(20, 8).bfloat16())
-    with pytest.raises(RuntimeError, match="bfloat16 CPU"):
+    with pytest.raises(RuntimeError, match="bfloat16 or int8 CPU"):
         linear_ops.pack_linear_weight(torch.randn(32, 8))
     packed = linear_ops.pack_linear_weight(torch.randn(32, 8).bfloat16())
+    x = torch.randn(1, 8).bfloat16()
     with pytest.raises(RuntimeError, match="x has 6 features, the weight takes 8"):
-        linear_ops.packed_linear(torch.randn(1, 6).bfloat16(), packed, None)
-    with pytest.raises(RuntimeError, match="one entry per output"):
-        linear_ops.packed_linear(torch.randn(1, 8).bfloat16(), packed, torch.randn(31))
+        linear_ops.packed_linear(torch.randn(1, 6).bfloat16(), packed, None, None)
+    with pytest.raises(RuntimeError, match="bias must have one entry per output"):
+        linear_ops.packed_linear(x, packed, None, torch.randn(31))
     with pytest.raises(RuntimeError, match="pack_linear_weight"):
-        linear_ops.packed_linear(torch.randn(1, 8).bfloat16(), torch.randn(32, 8), None)
+        linear_ops.packed_linear(x, torch.randn(32, 8), None, None)
+    with pytest.raises(RuntimeError, match="take no scale"):
+        linear_ops.packed_linear(x, packed, torch.ones(32), None)
+    rows = linear_ops.pack_linear_weight(torch.randint(-127, 128, (32, 8), dtype=torch.int8))
+    with pytest.raises(RuntimeError, match="need their scale"):
+        linear_ops.packed_linear(x, rows, None, None)
     # shapes it does not take keep oneDNN's layout
     kept = fused.prepacked((torch.randn(20, 8).bfloat16(), None), linear_ops)
     assert kept[0].is_mkldnn
+
+
+@pytest.mark.parametrize("rows", [1, 3, 4, 9])
+@pytest.mark.parametrize("bias", [False, True])
+def test_native_int8_linear_equals_reference(linear_ops, rows, bias):
+    """int8 rows with one scale per output, packed: against float64 within the output's own
+    rounding, as torch's int8 kernel is; float32 or non-bf16 models keep torch's kernel."""
+    from speedkv.hf.int8 import Int8Linear
+
+    g = torch.Generator().manual_seed(rows)
+    layer = Int8Linear(nn.Linear(576, 960, bias=bias).to(torch.bfloat16))
+    x = torch.randn(rows, 1, 576, generator=g).bfloat16()
+    tensors = layer.tensors()
+    packed = fused.prepacked(tensors, linear_ops)
+    assert packed[0].dim() == 4 and packed[0].dtype == torch.int8
+    got = fused.apply_linear(x, packed)
+    weight = layer.qweight.double() * layer.scale.double()[:, None]
+    expected = x.double() @ weight.T + (layer.bias.double() if bias else 0)
+    torch_error = (fused.apply_linear(x, tensors).double() - expected).abs().max()
+    assert (got.double() - expected).abs().max() <= max(1.01 * torch_error, 1e-2)
+    float_layer = Int8Linear(nn.Linear(576, 960))
+    assert not fused.can_prepack(float_layer.tensors(), linear_ops)  # float32 scale: no

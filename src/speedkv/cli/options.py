@@ -196,9 +196,10 @@ Prepack = Annotated[
     bool,
     typer.Option(
         "--prepack/--no-prepack",
-        help="Decode with the linear weights prepacked for oneDNN (CPU, float32 or bfloat16): "
-        "matrix-vector products about 1.8x faster here, for a second copy of those weights in "
-        "memory (docs/engine.md).",
+        help="Decode with a copy of the linear weights packed for one-row products (CPU): "
+        "speedkv's kernel for bfloat16 and int8 weights where the CPU has AVX512-BF16, "
+        "oneDNN's layout for other float32 or bfloat16 weights; faster decode for a second "
+        "copy of those weights in memory (docs/engine.md).",
     ),
 ]
 Backend = Annotated[

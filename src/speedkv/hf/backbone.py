@@ -117,9 +117,9 @@ def rms_norm(norm: nn.Module, x: torch.Tensor) -> torch.Tensor:
     return decode_layer.rms_norm(x, norm.weight, norm.variance_epsilon)
 
 
-def can_prepack_layer(weights: LayerTensors | None) -> bool:
+def can_prepack_layer(weights: LayerTensors | None, ops=None) -> bool:
     return weights is not None and all(
-        can_prepack(t) for t in (weights.qkv, weights.o, weights.gate_up, weights.down)
+        can_prepack(t, ops) for t in (weights.qkv, weights.o, weights.gate_up, weights.down)
     )
 
 
@@ -329,9 +329,14 @@ class Backbone:
         layers = [self._layer_tensors(i) for i in range(self.shape.num_layers)]
         head = linear_tensors(self._lm_head)
         self._packed_head = None
-        if self.prepacked and can_prepack(head) and all(can_prepack_layer(w) for w in layers):
-            layers = [prepack_layer(w, self.native_ops) for w in layers]  # type: ignore[arg-type]
-            self._packed_head = prepacked(head, self.native_ops)  # type: ignore[arg-type]
+        ops = self.native_ops
+        if (
+            self.prepacked
+            and can_prepack(head, ops)
+            and all(can_prepack_layer(w, ops) for w in layers)
+        ):
+            layers = [prepack_layer(w, ops) for w in layers]  # type: ignore[arg-type]
+            self._packed_head = prepacked(head, ops)  # type: ignore[arg-type]
         self._decode_weights = layers
         self._weights_key = self._parameter_ids()  # fusing replaced the parts' parameters
 
@@ -353,10 +358,11 @@ class Backbone:
         return LayerTensors(norms[0].weight, qkv.tensors, o, norms[1].weight, gate_up.tensors, down)
 
     def prepack_decode(self, enabled: bool = True) -> None:
-        """Decode with a copy of every plain linear weight, the LM head included, prepacked for
-        oneDNN (see fused.prepacked), or with the weights as they are (prefill always uses
-        those). A CPU with oneDNN and float32 or bfloat16 weights only; anywhere else this
-        changes nothing."""
+        """Decode with a copy of every linear weight, the LM head included, packed for one-row
+        products (see fused.prepacked: speedkv's kernel for bfloat16 and int8 weights where
+        the engine found it, else oneDNN's layout for float weights), or with the weights as
+        they are (prefill always uses those). CPUs only; anywhere else this changes
+        nothing."""
         self.prepacked = enabled
         self._decode_weights = None
 

@@ -55,23 +55,29 @@ def linear_tensors(module: nn.Module) -> tuple[torch.Tensor | None, ...] | None:
 
 def apply_linear(x: torch.Tensor, tensors: tuple[torch.Tensor | None, ...]) -> torch.Tensor:
     """The linear layer `tensors` describe (see `linear_tensors`, `prepacked`) applied to x."""
+    weight, *rest = tensors
+    if weight.dim() == 4:  # packed by speedkv's native kernel (see `prepacked`)
+        scale = rest[0] if len(rest) == 2 else None
+        return torch.ops.speedkv.packed_linear(x.contiguous(), weight, scale, rest[-1])
     if len(tensors) == 3:
         return int8_linear(x, *tensors)
-    weight, bias = tensors
+    bias = rest[0]
     if weight.is_mkldnn:
         return torch.ops.mkldnn._linear_pointwise(x, weight, bias, "none", [], "")
-    if weight.dim() == 4:  # packed by speedkv's native kernels (see `prepacked`)
-        return torch.ops.speedkv.packed_linear(x.contiguous(), weight, bias)
     return F.linear(x, weight, bias)
 
 
-def can_prepack(tensors: tuple[torch.Tensor | None, ...] | None) -> bool:
-    """Whether `prepacked` applies: a plain float weight on a CPU with oneDNN."""
-    if tensors is None or len(tensors) != 2:
+def can_prepack(tensors: tuple[torch.Tensor | None, ...] | None, ops=None) -> bool:
+    """Whether `prepacked` applies: a plain float weight on a CPU with oneDNN, or one that
+    speedkv's native kernel takes (bfloat16, or int8 rows of a bfloat16 model)."""
+    if tensors is None:
         return False
+    if _native_packable(tensors, ops):
+        return True
     weight = tensors[0]
     return (
-        weight.device.type == "cpu"
+        len(tensors) == 2
+        and weight.device.type == "cpu"
         and weight.dtype in (torch.float32, torch.bfloat16)
         and torch.backends.mkldnn.is_available()
     )
@@ -80,24 +86,31 @@ def can_prepack(tensors: tuple[torch.Tensor | None, ...] | None) -> bool:
 def prepacked(
     tensors: tuple[torch.Tensor | None, ...], ops=None
 ) -> tuple[torch.Tensor | None, ...]:
-    """A copy of a plain linear layer's (weight, bias) with the weight in a layout made for
-    one-row inputs. With `ops` (speedkv's native CPU operations) and a bfloat16 weight its
-    kernel takes, speedkv's own layout (core/csrc/decode_linear.cpp): one load feeds the
-    CPU's bfloat16 dot-product instruction for 16 outputs. Otherwise oneDNN's blocked
+    """A copy of a linear layer's tensors (see `linear_tensors`) with the weight in a layout
+    made for one-row inputs. With `ops` (speedkv's native CPU operations) and a bfloat16 or
+    int8 weight its kernel takes, speedkv's own layout (core/csrc/decode_linear.cpp): one
+    load feeds the CPU's bfloat16 dot-product instruction for 16 outputs. Otherwise, for a
+    plain float weight (`can_prepack` without ops), oneDNN's blocked
     layout, which matrix-vector products read about 1.8x faster on this project's CPU than
     torch's own kernels read the plain weight (same results). The copy is the cost: the
     layer's weight is held twice."""
-    weight, bias = tensors
-    if _native_packable(weight, ops):
-        return ops.pack_linear_weight(weight.detach()), bias
-    return torch.ops.mkldnn._reorder_linear_weight(weight.detach(), 1), bias
+    weight, *rest = tensors
+    if _native_packable(tensors, ops):
+        return ops.pack_linear_weight(weight.detach()), *rest
+    return torch.ops.mkldnn._reorder_linear_weight(weight.detach(), 1), *rest
 
 
-def _native_packable(weight: torch.Tensor, ops) -> bool:
+def _native_packable(tensors: tuple[torch.Tensor | None, ...], ops) -> bool:
+    """bfloat16 weights, or int8 rows whose scale is bfloat16 (so inputs are), of a shape the
+    kernel tiles: outputs a multiple of 16, inputs even."""
+    weight = tensors[0]
+    model_dtype = weight.dtype if len(tensors) == 2 else tensors[1].dtype
     return (
         ops is not None
         and hasattr(ops, "pack_linear_weight")  # built only for CPUs with AVX512-BF16
-        and weight.dtype == torch.bfloat16
+        and weight.device.type == "cpu"
+        and weight.dtype == (torch.bfloat16 if len(tensors) == 2 else torch.int8)
+        and model_dtype == torch.bfloat16
         and weight.shape[0] % 16 == 0
         and weight.shape[1] % 2 == 0
     )
