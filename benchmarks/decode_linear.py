@@ -12,7 +12,12 @@ turns; each row is the median of the rounds. Kernels:
   in its own layout (core/csrc/decode_linear.cpp); what `--prepack` runs on such CPUs;
 - `onednn`: oneDNN's kernel on weights prepacked in its blocked layout (torch's
   `mkldnn._linear_pointwise`);
-- `plain`: torch's `F.linear` on the weights as loaded.
+- `plain`: torch's `F.linear` on the weights as loaded;
+- `native-int8`: the weights as int8 rows with one scale per output (`--weights int8`) in
+  speedkv's layout, the same kernel widening them to bfloat16 in registers;
+- `torch-int8`: the same int8 rows through torch's `_weight_int8pack_mm`.
+
+Weight GB/s counts the bytes each kernel reads: half as many for the int8 ones.
 """
 
 from __future__ import annotations
@@ -26,15 +31,22 @@ import torch.nn.functional as F
 
 from speedkv.core.native import has_linear_kernel, native_ops
 from speedkv.hf import fused
+from speedkv.hf.int8 import Int8Linear
 
 LAYER_SHAPES = [(960, 576), (576, 576), (3072, 576), (576, 1536)]  # [out, in]
 HEAD_SHAPE = (49152, 576)
 
 
+def _as_linear(weight: torch.Tensor) -> torch.nn.Linear:
+    layer = torch.nn.Linear(weight.shape[1], weight.shape[0], bias=False, dtype=weight.dtype)
+    layer.weight.data = weight
+    return layer
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--batches", default="1,8,32", help="rows per product (sequences)")
-    parser.add_argument("--kernels", default="native,onednn,plain")
+    parser.add_argument("--kernels", default="native,onednn,plain,native-int8,torch-int8")
     parser.add_argument("--layers", type=int, default=30)
     parser.add_argument("--rounds", type=int, default=7)
     parser.add_argument("--threads", type=int, default=0, help="0: torch's default")
@@ -47,10 +59,13 @@ def main() -> None:
         parser.error("the native linear kernel is not available here (no AVX512-BF16?)")
     shapes = LAYER_SHAPES * args.layers + [HEAD_SHAPE]
     plain = [(torch.randn(shape).bfloat16(), None) for shape in shapes]
+    int8 = [Int8Linear(_as_linear(w)).tensors() for w, _ in plain] if "int8" in args.kernels else []
     weights = {
         "plain": plain,
         "onednn": [fused.prepacked(w) for w in plain] if "onednn" in kernels else [],
         "native": [fused.prepacked(w, ops) for w in plain] if "native" in kernels else [],
+        "native-int8": [fused.prepacked(t, ops) for t in int8] if "native-int8" in kernels else [],
+        "torch-int8": int8,
     }
     total = sum(w.numel() * w.element_size() for w, _ in plain)
     print(f"torch threads: {torch.get_num_threads()}; {total / 1e6:.0f} MB of weights a step")
@@ -76,7 +91,8 @@ def main() -> None:
                 times[kernel].append(time.perf_counter() - start)
         for kernel in kernels:
             seconds = statistics.median(times[kernel])
-            print(f"| {batch} | {kernel} | {seconds * 1e3:.2f} | {total / seconds / 1e9:.1f} |")
+            read = total / 2 if kernel.endswith("int8") else total
+            print(f"| {batch} | {kernel} | {seconds * 1e3:.2f} | {read / seconds / 1e9:.1f} |")
 
 
 if __name__ == "__main__":
