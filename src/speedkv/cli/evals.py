@@ -20,6 +20,7 @@ from speedkv.cli.options import (
     Methods,
     Model,
     OutDir,
+    Prepack,
     Seed,
     Threads,
     Weights,
@@ -103,6 +104,7 @@ def eval_command(
     ] = None,
     dtype: Dtype = "auto",
     weights: Weights = "native",
+    prepack: Prepack = True,
     device: Device = "auto",
     threads: Threads = 0,
     as_json: AsJson = False,
@@ -134,8 +136,10 @@ def eval_command(
         reference=reference,
     )
     set_threads(threads)
-    evaluated = load(model, dtype, device, adapter, weights)
-    against = load(reference, dtype, device) if reference is not None else None
+    # decoded as generate and serve decode (prepacked by default), so quality is measured on
+    # the kernels users run
+    evaluated = load(model, dtype, device, adapter, weights, prepack)
+    against = load(reference, dtype, device, prepack=prepack) if reference is not None else None
     runner = EvalRunner(evaluated, config, out, against)
     result = runner.run(resume=resume, log=log)
     if as_json:
