@@ -2,14 +2,13 @@
 
     .venv/bin/python benchmarks/decode_breakdown.py --lengths 2048,8192 --steps 24
 
-For each prompt length, mode (plain weights, weights prepacked for oneDNN) and method,
-prefills one prompt, then times decode steps with nothing else running (the step's wall time,
-median) and profiles as many again with torch.profiler, which splits the time of the ops:
-products with the weights (mm, oneDNN's linear, the int8 kernel), attention (everything inside
-the engine's decode-attention function, which the profiled steps wrap in a named range), and
-everything else (norms, rotary, residual adds, cache writes, Python) as the step's wall time
-minus those two. Prints a
-markdown table. Works on any checkout of speedkv on the path, so the same command measures
+For each prompt length, mode (plain weights, prepacked weights) and method, prefills one
+prompt, then times decode steps with nothing else running (the step's wall time, median) and
+profiles as many again with torch.profiler, which splits the time of the ops: products with
+the weights (mm, oneDNN's linear, the int8 kernel, speedkv's linear), attention (everything
+inside the engine's decode-attention function, which the profiled steps wrap in a named
+range), and everything else (norms, rotary, residual adds, cache writes, Python) as the step's
+wall time minus those two. Prints a markdown table. Works on any checkout of speedkv on the path, so the same command measures
 an older engine (the prepacked mode is skipped where the engine has none).
 """
 
@@ -26,7 +25,13 @@ import speedkv.core.engine as engine_module
 from speedkv import Engine, load_model
 from speedkv.prompts.builders import chat_document
 
-WEIGHT_OPS = {"aten::mm", "aten::addmm", "aten::_weight_int8pack_mm", "mkldnn::_linear_pointwise"}
+WEIGHT_OPS = {
+    "aten::mm",
+    "aten::addmm",
+    "aten::_weight_int8pack_mm",
+    "mkldnn::_linear_pointwise",
+    "speedkv::packed_linear",  # the native decode linear kernel (core/csrc/decode_linear.cpp)
+}
 ATTENTION_RANGE = "decode attention"
 # what the engine calls for a step's attention: this checkout's name, then older checkouts'
 ATTENTION_FUNCTIONS = ("batch_decode_attention", "decode_attention")
