@@ -8,8 +8,9 @@ profiles as many again with torch.profiler, which splits the time of the ops: pr
 the weights (mm, oneDNN's linear, the int8 kernel, speedkv's linear), attention (everything
 inside the engine's decode-attention function, which the profiled steps wrap in a named
 range), and everything else (norms, rotary, residual adds, cache writes, Python) as the step's
-wall time minus those two. Prints a markdown table. Works on any checkout of speedkv on the path, so the same command measures
-an older engine (the prepacked mode is skipped where the engine has none).
+wall time minus those two. Prints a markdown table. Works on any checkout of speedkv on the
+path, so the same command measures an older engine (the prepacked mode is skipped where the
+engine has none).
 """
 
 from __future__ import annotations
