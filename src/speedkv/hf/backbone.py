@@ -24,6 +24,7 @@ from speedkv.hf import decode_layer
 from speedkv.hf.decode_layer import LayerDims, LayerTensors, apply_rope
 from speedkv.hf.fused import (
     FusedProjection,
+    NativeOps,
     apply_linear,
     can_prepack,
     linear_tensors,
@@ -117,13 +118,13 @@ def rms_norm(norm: nn.Module, x: torch.Tensor) -> torch.Tensor:
     return decode_layer.rms_norm(x, norm.weight, norm.variance_epsilon)
 
 
-def can_prepack_layer(weights: LayerTensors | None, ops=None) -> bool:
+def can_prepack_layer(weights: LayerTensors | None, ops: NativeOps = None) -> bool:
     return weights is not None and all(
         can_prepack(t, ops) for t in (weights.qkv, weights.o, weights.gate_up, weights.down)
     )
 
 
-def prepack_layer(weights: LayerTensors, ops=None) -> LayerTensors:
+def prepack_layer(weights: LayerTensors, ops: NativeOps = None) -> LayerTensors:
     return dataclasses.replace(
         weights,
         qkv=prepacked(weights.qkv, ops),
@@ -168,7 +169,7 @@ class Backbone:
         self.prepacked = False
         self._packed_head: tuple[torch.Tensor | None, ...] | None = None
         # speedkv's native CPU operations (torch.ops.speedkv), when the engine found them
-        self.native_ops = None
+        self.native_ops: NativeOps = None
 
     # -- basic facts --------------------------------------------------------------------------
     @property

@@ -22,7 +22,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from speedkv.hf.fused import apply_linear
+from speedkv.hf.fused import NativeOps, apply_linear
 
 Linear = tuple[torch.Tensor | None, ...]  # (weight, bias) or int8 (rows, scale, bias)
 
@@ -73,7 +73,7 @@ def heads(x: torch.Tensor, head_dim: int) -> torch.Tensor:
     return x.unflatten(-1, (-1, head_dim)).transpose(-3, -2)
 
 
-def one_token_rows(h: torch.Tensor, ops) -> bool:
+def one_token_rows(h: torch.Tensor, ops: NativeOps) -> bool:
     """Whether the native small operations take h: one token per sequence ([B, 1, H])."""
     return ops is not None and h.dim() == 3 and h.shape[1] == 1 and h.device.type == "cpu"
 
@@ -84,7 +84,7 @@ def before_attention(
     cos: torch.Tensor,
     sin: torch.Tensor,
     dims: LayerDims,
-    ops=None,
+    ops: NativeOps = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Post-rotary q [..., Hq, n, D] and k, v [..., Hkv, n, D] of the residual h [..., n, H]."""
     if one_token_rows(h, ops):
@@ -98,7 +98,11 @@ def before_attention(
 
 
 def after_attention(
-    h: torch.Tensor, o: torch.Tensor, weights: LayerTensors, dims: LayerDims, ops=None
+    h: torch.Tensor,
+    o: torch.Tensor,
+    weights: LayerTensors,
+    dims: LayerDims,
+    ops: NativeOps = None,
 ) -> torch.Tensor:
     """The residual leaving the layer, from the one entering it (h [..., n, H]) and the
     attention output o [..., Hq, n, D]."""

@@ -14,6 +14,7 @@ per layer, with the same result.
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -22,6 +23,9 @@ from torch import nn
 from speedkv.hf.int8 import Int8Linear, int8_linear
 
 Projection = Callable[[torch.Tensor], torch.Tensor]
+# torch.ops.speedkv: speedkv's native CPU operations (core/native.py), which the engine hands
+# to the backbone; this package only calls them and never builds them
+NativeOps = Any
 
 
 class FusedProjection:
@@ -67,7 +71,7 @@ def apply_linear(x: torch.Tensor, tensors: tuple[torch.Tensor | None, ...]) -> t
     return F.linear(x, weight, bias)
 
 
-def can_prepack(tensors: tuple[torch.Tensor | None, ...] | None, ops=None) -> bool:
+def can_prepack(tensors: tuple[torch.Tensor | None, ...] | None, ops: NativeOps = None) -> bool:
     """Whether `prepacked` applies: a plain float weight on a CPU with oneDNN, or one that
     speedkv's native kernel takes (bfloat16, or int8 rows of a bfloat16 model)."""
     if tensors is None:
@@ -84,7 +88,7 @@ def can_prepack(tensors: tuple[torch.Tensor | None, ...] | None, ops=None) -> bo
 
 
 def prepacked(
-    tensors: tuple[torch.Tensor | None, ...], ops=None
+    tensors: tuple[torch.Tensor | None, ...], ops: NativeOps = None
 ) -> tuple[torch.Tensor | None, ...]:
     """A copy of a linear layer's tensors (see `linear_tensors`) with the weight in a layout
     made for one-row inputs. With `ops` (speedkv's native CPU operations) and a bfloat16 or
@@ -100,7 +104,7 @@ def prepacked(
     return torch.ops.mkldnn._reorder_linear_weight(weight.detach(), 1), *rest
 
 
-def _native_packable(tensors: tuple[torch.Tensor | None, ...], ops) -> bool:
+def _native_packable(tensors: tuple[torch.Tensor | None, ...], ops: NativeOps) -> bool:
     """bfloat16 weights, or int8 rows whose scale is bfloat16 (so inputs are), of a shape the
     kernel tiles: outputs a multiple of 16, inputs even."""
     weight = tensors[0]
