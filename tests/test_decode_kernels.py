@@ -283,7 +283,7 @@ def test_prepacked_decode_equals_plain_weights(family, dtype):
         assert error <= tolerance, spec
 
 
-# -- the native small operations of a decode step (core/csrc/decode_ops.cpp) ------------------
+# -- the native small operations of a layer (core/csrc/layer_ops.cpp) ------------------------
 @pytest.fixture(scope="module")
 def small_ops():
     ops = native.native_ops()
@@ -293,21 +293,21 @@ def small_ops():
 
 
 def torch_small_steps(h, y, norm, gate_up, qkv, cos, sin, heads, kv_heads, dim):
-    """What the native operations replace, composed of torch's operations as decode_layer
+    """What the native operations replace, composed of torch's operations as layer_work
     composes them."""
-    from speedkv.hf import decode_layer
+    from speedkv.hf import layer_work
 
     summed = h + y
     gate, up = gate_up.split(gate_up.shape[-1] // 2, dim=-1)
     q, k, v = qkv.split((heads * dim, kv_heads * dim, kv_heads * dim), dim=-1)
-    q, k, v = (decode_layer.heads(t, dim) for t in (q, k, v))
+    q, k, v = (layer_work.heads(t, dim) for t in (q, k, v))
     return {
-        "rms_norm": decode_layer.rms_norm(h, norm, 1e-5),
-        "add_rms_norm": (summed, decode_layer.rms_norm(summed, norm, 1e-5)),
+        "rms_norm": layer_work.rms_norm(h, norm, 1e-5),
+        "add_rms_norm": (summed, layer_work.rms_norm(summed, norm, 1e-5)),
         "silu_mul": F.silu(gate) * up,
         "rotary_split": (
-            decode_layer.apply_rope(q, cos, sin),
-            decode_layer.apply_rope(k, cos, sin),
+            layer_work.apply_rope(q, cos, sin),
+            layer_work.apply_rope(k, cos, sin),
             v,
         ),
     }
@@ -315,11 +315,14 @@ def torch_small_steps(h, y, norm, gate_up, qkv, cos, sin, heads, kv_heads, dim):
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
 @pytest.mark.parametrize(("heads", "kv_heads", "dim"), [(9, 3, 64), (14, 2, 64), (4, 4, 128)])
-def test_native_small_ops_equal_torchs(small_ops, dtype, heads, kv_heads, dim):
-    """Bit for bit in bfloat16 (the same roundings, in the same places); float16 within one
-    step and float32 within a few ulps (the norm's sum of squares runs in another order)."""
+@pytest.mark.parametrize("batch", [5, 100])  # a decode step's rows; a prefill chunk's, threaded
+def test_native_small_ops_equal_torchs(small_ops, dtype, heads, kv_heads, dim, batch):
+    """Bit for bit in bfloat16 (the same roundings, in the same places), but for the norms'
+    sum of squares, which runs in another order than torch's: over many rows a rare element
+    (well under 1 in 1000) lands a step away (two at most: the normed value, then its product
+    with the weight). float16 within one step and float32 within a few ulps."""
     g = torch.Generator().manual_seed(dim + heads)
-    batch, hidden, inner = 5, heads * dim, 3 * heads * dim
+    hidden, inner = heads * dim, 3 * heads * dim
 
     def rand(*shape, scale=1.0):
         return (torch.randn(*shape, generator=g) * scale).to(dtype)
@@ -342,7 +345,11 @@ def test_native_small_ops_equal_torchs(small_ops, dtype, heads, kv_heads, dim):
         wanted = wanted if isinstance(wanted, tuple) else (wanted,)
         for out, want in zip(outputs, wanted, strict=True):
             assert out.shape == want.shape and out.dtype == dtype, name
-            if dtype == torch.bfloat16:
+            if dtype == torch.bfloat16 and "norm" in name:
+                apart = out != want
+                assert apart.float().mean() < 1e-3, name
+                assert torch.allclose(out[apart].float(), want[apart].float(), rtol=2**-6), name
+            elif dtype == torch.bfloat16:
                 assert torch.equal(out, want), name
             else:
                 step = 1e-5 if dtype == torch.float32 else 2**-10

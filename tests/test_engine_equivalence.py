@@ -54,13 +54,13 @@ def test_incremental_speed_equals_dense_reference(tiny, tiny_engine, lcut, ancho
 def test_shallow_tokens_are_never_computed_in_upper_layers(tiny, tiny_engine, monkeypatch):
     """Count the rows each layer's q/k/v projection sees: upper layers get anchors + deep only."""
     seen = {}
-    original = tiny.backbone.qkv
+    original = tiny.backbone.before_attention
 
-    def counting_qkv(layer, x, cos, sin):
-        seen[layer] = seen.get(layer, 0) + x.shape[-2]
-        return original(layer, x, cos, sin)
+    def counting_qkv(layer, h, cos, sin, prefill=False):
+        seen[layer] = seen.get(layer, 0) + h.shape[-2]
+        return original(layer, h, cos, sin, prefill)
 
-    monkeypatch.setattr(tiny.backbone, "qkv", counting_qkv)
+    monkeypatch.setattr(tiny.backbone, "before_attention", counting_qkv)
     policy = make_policy("speed:lcut=2,anchors=sink:4,deep=3", tiny.shape)
     tiny_engine.prefill_ids(random_prompt(50), policy)
     assert [seen[layer] for layer in range(6)] == [50, 50, 4 + 3, 4 + 3, 4 + 3, 4 + 3]

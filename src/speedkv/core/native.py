@@ -25,7 +25,7 @@ import torch
 from speedkv.hf.loading import cache_dir
 from speedkv.log import log
 
-KERNELS = ("decode_attention.cpp", "decode_linear.cpp", "decode_ops.cpp", "prefill_attention.cpp")
+KERNELS = ("decode_attention.cpp", "decode_linear.cpp", "layer_ops.cpp", "prefill_attention.cpp")
 HEADERS = ("bf16_pairs.h",)
 SOURCES = [Path(__file__).parent / "csrc" / name for name in KERNELS]
 SWITCH = "SPEEDKV_KERNELS"  # "torch" turns the native kernels off

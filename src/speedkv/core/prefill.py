@@ -125,11 +125,10 @@ class PrefillRun:
         q_all = h.new_empty((shape.num_heads, rows, shape.head_dim))
         for start, end in self._chunks(rows):  # projections, chunk by chunk
             c, s = cos[start:end], sin[start:end]
-            x = bb.input_norm(layer, h[start:end])
             if kv_input is None and writes:
-                q, k, v = bb.qkv(layer, x, c, s)
+                q, k, v = bb.before_attention(layer, h[start:end], c, s, prefill=True)
             else:
-                q = bb.q(layer, x, c, s)
+                q = bb.q(layer, bb.input_norm(layer, h[start:end]), c, s)
                 if writes:
                     src, norm = kv_input
                     h_src, pos_src = self.saved[src]
@@ -141,8 +140,9 @@ class PrefillRun:
         o_all, attended = self._attend(layer, q_all, pos, kv, aligned)
         out = torch.empty_like(h)
         for start, end in self._chunks(rows):  # output projection and MLP, chunk by chunk
-            o = bb.attn_out(layer, o_all[:, start:end])
-            out[start:end] = bb.mlp_block(layer, h[start:end] + o)
+            out[start:end] = bb.after_attention(
+                layer, h[start:end], o_all[:, start:end], prefill=True
+            )
         q_tail = q_all[:, -window:] if window else None
         view = _View(layer, kv, pos, q_tail, pos[-q_tail.shape[1] :] if window else None)
         policy.observe(layer, view)

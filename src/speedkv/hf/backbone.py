@@ -20,8 +20,7 @@ import torch
 from torch import nn
 
 from speedkv.errors import UserError
-from speedkv.hf import decode_layer
-from speedkv.hf.decode_layer import LayerDims, LayerTensors, apply_rope
+from speedkv.hf import layer_work
 from speedkv.hf.fused import (
     FusedProjection,
     NativeOps,
@@ -31,6 +30,7 @@ from speedkv.hf.fused import (
     prepacked,
 )
 from speedkv.hf.int8 import Int8Linear
+from speedkv.hf.layer_work import LayerDims, LayerTensors, apply_rope
 
 SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
 # The families' RMSNorm classes, which all compute weight * (x / rms(x) in float32, rounded to
@@ -115,7 +115,7 @@ def rms_norm(norm: nn.Module, x: torch.Tensor) -> torch.Tensor:
     """`norm(x)`, through torch's fused kernel when `norm` is one of the families' RMSNorms."""
     if not is_t5_style_norm(norm):
         return norm(x)
-    return decode_layer.rms_norm(x, norm.weight, norm.variance_epsilon)
+    return layer_work.rms_norm(x, norm.weight, norm.variance_epsilon)
 
 
 def can_prepack_layer(weights: LayerTensors | None, ops: NativeOps = None) -> bool:
@@ -135,7 +135,7 @@ def prepack_layer(weights: LayerTensors, ops: NativeOps = None) -> LayerTensors:
 
 
 def decode_dims(config, shape: ModelShape) -> LayerDims | None:
-    """The layer constants of `decode_layer`, or None when the model's layers are not the
+    """The layer constants of `layer_work`, or None when the model's layers are not the
     form it computes (another activation, per-head q/k norms, a norm eps it cannot find)."""
     eps = getattr(config, "rms_norm_eps", None)
     if getattr(config, "hidden_act", None) != "silu" or eps is None:
@@ -164,6 +164,7 @@ class Backbone:
         self._rope_table: tuple[torch.Tensor, torch.Tensor] | None = None
         self._fused: dict[int, tuple[FusedProjection, FusedProjection]] = {}
         self._decode_weights: list[LayerTensors | None] | None = None
+        self._plain_weights: list[LayerTensors | None] = []  # as loaded, for prefill chunks
         self._weights_key: tuple[int, ...] = ()
         self._dims = decode_dims(self.config, self.shape)
         self.prepacked = False
@@ -295,22 +296,37 @@ class Backbone:
         gate, up = gate_up(rms_norm(block.post_attention_layernorm, h)).split(gate_up.sizes, -1)
         return h + block.mlp.down_proj(block.mlp.act_fn(gate) * up)
 
-    # -- a decode step's dense work in one layer (see decode_layer.py) ----------------------
+    # -- a layer's dense work for decode tokens and prefill chunks (see layer_work.py) --------
     def before_attention(
-        self, layer: int, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
+        self,
+        layer: int,
+        h: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        prefill: bool = False,
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """q, k, v of the residual h [..., n, H] entering `layer` (qkv of its input norm)."""
-        weights = self.decode_weights()[layer]
+        """q, k, v of the residual h [..., n, H] entering `layer` (qkv of its input norm).
+        `prefill`: h is a chunk of one prompt's rows [n, H], run on the weights as loaded
+        (prepacked copies are made for one-row products)."""
+        weights = self._layer_weights(layer, prefill)
         if weights is None:
             return self.qkv(layer, self.input_norm(layer, h), cos, sin)
-        return decode_layer.before_attention(h, weights, cos, sin, self._dims, self.native_ops)
+        return layer_work.before_attention(h, weights, cos, sin, self._dims, self.native_ops)
 
-    def after_attention(self, layer: int, h: torch.Tensor, o: torch.Tensor) -> torch.Tensor:
+    def after_attention(
+        self, layer: int, h: torch.Tensor, o: torch.Tensor, prefill: bool = False
+    ) -> torch.Tensor:
         """The residual leaving `layer`, from the one entering it and attention output o."""
-        weights = self.decode_weights()[layer]
+        weights = self._layer_weights(layer, prefill)
         if weights is None:
             return self.mlp_block(layer, h + self.attn_out(layer, o))
-        return decode_layer.after_attention(h, o, weights, self._dims, self.native_ops)
+        return layer_work.after_attention(h, o, weights, self._dims, self.native_ops)
+
+    def _layer_weights(self, layer: int, prefill: bool) -> LayerTensors | None:
+        if prefill:
+            self.decode_weights()  # gathers both sets
+            return self._plain_weights[layer]
+        return self.decode_weights()[layer]
 
     def decode_weights(self) -> list[LayerTensors | None]:
         """Every layer's weights as plain tensors; None for a layer where some piece must run
@@ -327,7 +343,9 @@ class Backbone:
         if self._decode_weights is not None and self._weights_key == self._parameter_ids():
             return
         self._fused = {}
-        layers = [self._layer_tensors(i) for i in range(self.shape.num_layers)]
+        layers = self._plain_weights = [
+            self._layer_tensors(i) for i in range(self.shape.num_layers)
+        ]
         head = linear_tensors(self._lm_head)
         self._packed_head = None
         ops = self.native_ops
@@ -377,7 +395,7 @@ class Backbone:
         return fused
 
     def _heads(self, x: torch.Tensor) -> torch.Tensor:
-        return decode_layer.heads(x, self.shape.head_dim)
+        return layer_work.heads(x, self.shape.head_dim)
 
     # -- the library's own computation, for reference checks and training ---------------------
     def hf_layer(

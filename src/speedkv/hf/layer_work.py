@@ -1,18 +1,19 @@
-"""A decode step's dense work in one layer, as functions of the layer's weights.
+"""A layer's dense work, as functions of the layer's weights: for a decode step's tokens and
+for a prefill chunk's rows.
 
-Everything a decode token does in a layer besides attention -- norm, q/k/v projection, rotary,
+Everything a token does in a layer besides attention -- norm, q/k/v projection, rotary,
 output projection, residual, norm, MLP, residual -- is the same computation in every layer
 with other weights. These functions take the weights as plain tensors (fused q/k/v and
-gate/up, optionally prepacked for oneDNN: see fused.py), so the step runs a few large
-operations per layer instead of the model's modules, one by one.
+gate/up; for decode optionally prepacked for one-row products: see fused.py), so a layer runs
+a few large operations instead of the model's modules, one by one.
 
 A layer runs through here only when every piece is a plain tensor operation: frozen plain or
 int8 linear layers, the families' RMSNorm, SiLU, no per-head q/k norms. Otherwise the backbone
 runs the model's own modules (see `Backbone.decode_weights`).
 
-Given `ops` (speedkv's native CPU operations, which the engine hands the backbone), a decode
-token's small steps -- norm, residual add and norm, rotary and the split into heads, SiLU
-times up -- are one call each instead of a dozen, with the same roundings.
+Given `ops` (speedkv's native CPU operations, which the engine hands the backbone), the small
+steps -- norm, residual add and norm, rotary and the split into heads, SiLU times up -- are one
+call each instead of a dozen, with the same roundings.
 """
 
 from __future__ import annotations
@@ -73,9 +74,16 @@ def heads(x: torch.Tensor, head_dim: int) -> torch.Tensor:
     return x.unflatten(-1, (-1, head_dim)).transpose(-3, -2)
 
 
-def one_token_rows(h: torch.Tensor, ops: NativeOps) -> bool:
-    """Whether the native small operations take h: one token per sequence ([B, 1, H])."""
-    return ops is not None and h.dim() == 3 and h.shape[1] == 1 and h.device.type == "cpu"
+def native_rows(h: torch.Tensor, ops: NativeOps) -> bool:
+    """Whether the native small operations take h: one token per sequence ([B, 1, H], a
+    decode step) or one sequence's rows ([n, H], a prefill chunk), in CPU memory as rows."""
+    one_token_each = h.dim() == 3 and h.shape[1] == 1
+    return (
+        ops is not None
+        and (one_token_each or h.dim() == 2)
+        and h.device.type == "cpu"
+        and h.is_contiguous()
+    )
 
 
 def before_attention(
@@ -87,10 +95,14 @@ def before_attention(
     ops: NativeOps = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Post-rotary q [..., Hq, n, D] and k, v [..., Hkv, n, D] of the residual h [..., n, H]."""
-    if one_token_rows(h, ops):
+    if native_rows(h, ops):
         qkv = apply_linear(ops.rms_norm(h, weights.input_norm, dims.eps), weights.qkv)
         q_heads, kv_heads = (size // dims.head_dim for size in dims.qkv_sizes[:2])
-        return ops.rotary_split(qkv, cos, sin, q_heads, kv_heads)
+        rows = qkv.view(-1, 1, qkv.shape[-1])  # one token a row, decode or prefill
+        q, k, v = ops.rotary_split(rows, cos, sin, q_heads, kv_heads)  # [rows, heads, 1, D]
+        if h.dim() == 2:  # a prefill chunk: [heads, n, D], as views
+            q, k, v = (t.squeeze(2).transpose(0, 1) for t in (q, k, v))
+        return q, k, v
     x = rms_norm(h, weights.input_norm, dims.eps)
     q, k, v = apply_linear(x, weights.qkv).split(dims.qkv_sizes, dim=-1)
     q, k, v = heads(q, dims.head_dim), heads(k, dims.head_dim), heads(v, dims.head_dim)
@@ -106,7 +118,7 @@ def after_attention(
 ) -> torch.Tensor:
     """The residual leaving the layer, from the one entering it (h [..., n, H]) and the
     attention output o [..., Hq, n, D]."""
-    if one_token_rows(h, ops):
+    if native_rows(h, ops):
         attended = apply_linear(o.transpose(-3, -2).flatten(-2), weights.o)
         h, x = ops.add_rms_norm(h, attended, weights.post_norm, dims.eps)
         return h + apply_linear(ops.silu_mul(apply_linear(x, weights.gate_up)), weights.down)

@@ -1,11 +1,12 @@
-// A decode step's small operations, each fused into one call.
+// A decoder layer's small operations, each fused into one call.
 //
-// Between its matrix products a decoder layer does a dozen small things to one row per
-// sequence: norms, residual adds, rotary embedding, splitting q/k/v into heads, SiLU times up.
-// Each is microseconds of work behind several microseconds of dispatch, so a step spends more
-// time calling them than running them. Here each group is one call. The arithmetic and its
+// Between its matrix products a decoder layer does a dozen small things to each row: norms,
+// residual adds, rotary embedding, splitting q/k/v into heads, SiLU times up. In a decode step
+// (one row per sequence) each is microseconds of work behind several microseconds of dispatch;
+// in a prefill chunk (a thousand rows) each is a pass over memory. Here each group is one call
+// and one pass, rows split across threads when there are many. The arithmetic and its
 // roundings are the ones torch's separate operations make (float32 inside, rounded to the
-// tensor's dtype wherever torch would round), so the step's results do not move.
+// tensor's dtype wherever torch would round), so results do not move.
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <torch/library.h>
@@ -15,6 +16,8 @@
 #include <tuple>
 
 namespace {
+
+constexpr int64_t kRowsPerTask = 32;  // fewer rows run on the calling thread (a decode step)
 
 template <typename T>
 inline T round_to(float x) {
@@ -51,10 +54,12 @@ at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps) {
   const int64_t width = x.size(-1), rows = x.numel() / width;
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, x.scalar_type(), "rms_norm", [&] {
     const scalar_t* xs = x.data_ptr<scalar_t>();
+    const scalar_t* ws = weight.data_ptr<scalar_t>();
     scalar_t* os = out.data_ptr<scalar_t>();
-    for (int64_t r = 0; r < rows; ++r)
-      norm_row(xs + r * width, weight.data_ptr<scalar_t>(), width, static_cast<float>(eps),
-               os + r * width);
+    at::parallel_for(0, rows, kRowsPerTask, [&](int64_t lo, int64_t hi) {
+      for (int64_t r = lo; r < hi; ++r)
+        norm_row(xs + r * width, ws, width, static_cast<float>(eps), os + r * width);
+    });
   });
   return out;
 }
@@ -70,12 +75,15 @@ std::tuple<at::Tensor, at::Tensor> add_rms_norm(const at::Tensor& h, const at::T
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, h.scalar_type(), "add_rms_norm", [&] {
     const scalar_t* hs = h.data_ptr<scalar_t>();
     const scalar_t* ys = y.data_ptr<scalar_t>();
+    const scalar_t* ws = weight.data_ptr<scalar_t>();
     scalar_t* ss = sum.data_ptr<scalar_t>();
-    for (int64_t i = 0; i < rows * width; ++i)
-      ss[i] = round_to<scalar_t>(static_cast<float>(hs[i]) + static_cast<float>(ys[i]));
-    for (int64_t r = 0; r < rows; ++r)
-      norm_row(ss + r * width, weight.data_ptr<scalar_t>(), width, static_cast<float>(eps),
-               out.data_ptr<scalar_t>() + r * width);
+    scalar_t* os = out.data_ptr<scalar_t>();
+    at::parallel_for(0, rows, kRowsPerTask, [&](int64_t lo, int64_t hi) {
+      for (int64_t i = lo * width; i < hi * width; ++i)
+        ss[i] = round_to<scalar_t>(static_cast<float>(hs[i]) + static_cast<float>(ys[i]));
+      for (int64_t r = lo; r < hi; ++r)
+        norm_row(ss + r * width, ws, width, static_cast<float>(eps), os + r * width);
+    });
   });
   return {sum, out};
 }
@@ -90,9 +98,24 @@ at::Tensor silu_mul(const at::Tensor& gate_up) {
   return at::silu(gate_up.narrow(-1, 0, width)).mul_(gate_up.narrow(-1, width, width));
 }
 
-// One decode token per sequence: qkv [B, 1, (Hq + 2 Hkv) * D] -> q [B, Hq, 1, D] and
-// k [B, Hkv, 1, D] with rotary embedding (rotate-half layout) and v [B, Hkv, 1, D];
-// cos and sin are [B, 1, 1, D].
+// x * cos + rotate_half(x) * sin for one head of one token, each product and the sum rounded
+// as torch's separate operations round them.
+template <typename T>
+void rotate_row(const T* x, const T* c, const T* s, int64_t dim, T* out) {
+  const int64_t half = dim / 2;
+  for (int64_t d = 0; d < dim; ++d) {
+    const float rotated =
+        d < half ? -static_cast<float>(x[d + half]) : static_cast<float>(x[d - half]);
+    const T a = round_to<T>(static_cast<float>(x[d]) * static_cast<float>(c[d]));
+    const T r = round_to<T>(rotated * static_cast<float>(s[d]));
+    out[d] = round_to<T>(static_cast<float>(a) + static_cast<float>(r));
+  }
+}
+
+// One row per token: qkv [B, 1, (Hq + 2 Hkv) * D] -> q [B, Hq, 1, D] and k [B, Hkv, 1, D]
+// with rotary embedding (rotate-half layout) and v [B, Hkv, 1, D]; cos and sin hold B rows of
+// D ([B, 1, 1, D] in a decode step, one token per sequence; [B, D] for a prefill chunk of B
+// tokens).
 std::tuple<at::Tensor, at::Tensor, at::Tensor> rotary_split(const at::Tensor& qkv,
                                                              const at::Tensor& cos,
                                                              const at::Tensor& sin,
@@ -102,11 +125,11 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> rotary_split(const at::Tensor& qk
   const int64_t batch = qkv.size(0), heads = q_heads + 2 * kv_heads;
   TORCH_CHECK(q_heads > 0 && kv_heads > 0 && qkv.size(2) % heads == 0,
               "qkv's width must be (q_heads + 2 kv_heads) head_dim");
-  const int64_t dim = qkv.size(2) / heads, half = dim / 2;
+  const int64_t dim = qkv.size(2) / heads;
   TORCH_CHECK(dim % 2 == 0, "head_dim must be even");
   TORCH_CHECK(cos.is_contiguous() && sin.is_contiguous() && cos.numel() == batch * dim &&
                   sin.numel() == batch * dim,
-              "cos and sin must be contiguous [batch, 1, 1, head_dim]");
+              "cos and sin must be contiguous rows of head_dim, one per token");
   TORCH_CHECK(cos.scalar_type() == qkv.scalar_type() && sin.scalar_type() == qkv.scalar_type(),
               "cos, sin and qkv must share a dtype");
   at::Tensor q = at::empty({batch, q_heads, 1, dim}, qkv.options());
@@ -115,27 +138,19 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> rotary_split(const at::Tensor& qk
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, qkv.scalar_type(), "rotary_split", [&] {
     using T = scalar_t;
     const T* in = qkv.data_ptr<T>();
-    T* outs[2] = {q.data_ptr<T>(), k.data_ptr<T>()};
-    for (int64_t b = 0; b < batch; ++b) {
-      const T* c = cos.data_ptr<T>() + b * dim;
-      const T* s = sin.data_ptr<T>() + b * dim;
-      const T* row = in + b * heads * dim;
-      for (int64_t h = 0; h < q_heads + kv_heads; ++h) {
-        const bool is_q = h < q_heads;
-        const T* x = row + h * dim;
-        T* o = outs[is_q ? 0 : 1] + (b * (is_q ? q_heads : kv_heads) + (is_q ? h : h - q_heads)) * dim;
-        // x * cos + rotate_half(x) * sin, each product and the sum rounded as torch rounds them
-        for (int64_t d = 0; d < dim; ++d) {
-          const float rotated = d < half ? -static_cast<float>(x[d + half])
-                                         : static_cast<float>(x[d - half]);
-          const T a = round_to<T>(static_cast<float>(x[d]) * static_cast<float>(c[d]));
-          const T r = round_to<T>(rotated * static_cast<float>(s[d]));
-          o[d] = round_to<T>(static_cast<float>(a) + static_cast<float>(r));
-        }
+    T *qs = q.data_ptr<T>(), *ks = k.data_ptr<T>(), *vs = v.data_ptr<T>();
+    at::parallel_for(0, batch, kRowsPerTask, [&](int64_t lo, int64_t hi) {
+      for (int64_t b = lo; b < hi; ++b) {
+        const T* row = in + b * heads * dim;
+        const T* c = cos.data_ptr<T>() + b * dim;
+        const T* s = sin.data_ptr<T>() + b * dim;
+        for (int64_t h = 0; h < q_heads; ++h)
+          rotate_row(row + h * dim, c, s, dim, qs + (b * q_heads + h) * dim);
+        for (int64_t h = 0; h < kv_heads; ++h)
+          rotate_row(row + (q_heads + h) * dim, c, s, dim, ks + (b * kv_heads + h) * dim);
+        std::copy(row + (q_heads + kv_heads) * dim, row + heads * dim, vs + b * kv_heads * dim);
       }
-      std::copy(row + (q_heads + kv_heads) * dim, row + heads * dim,
-                v.data_ptr<T>() + b * kv_heads * dim);
-    }
+    });
   });
   return {q, k, v};
 }
