@@ -100,7 +100,9 @@ def prepacked(
     layer's weight is held twice."""
     weight, *rest = tensors
     if _native_packable(tensors, ops):
-        return ops.pack_linear_weight(weight.detach()), *rest
+        # scale and bias in float32 once, as the kernel reads them (exact: they were bf16)
+        extras = (None if t is None else t.detach().float() for t in rest)
+        return ops.pack_linear_weight(weight.detach()), *extras
     return torch.ops.mkldnn._reorder_linear_weight(weight.detach(), 1), *rest
 
 
