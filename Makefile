@@ -192,8 +192,9 @@ full-it-speed22-bos full-it-speed22-none full-it-speed18-bos: full-it-speed%: in
 	$(VENV)/bin/speedkv train --method "speed:lcut=$(word 1,$(subst -, ,$*)),anchors=$(word 2,$(subst -, ,$*))" \
 		--out runs/full-it/speed$* $(FULL_TRAIN_RECIPE)
 
-# The study's table: each trained model at its own method, the untrained model and the shipped
-# LoRA adapter, on eval essays; fidelity and sanity against the Full-IT model (--reference).
+# The study's table: each trained model at its own method, the untrained model (full depth and
+# SPEED-22; each run's step-0 probe covers it at the other methods) and the shipped LoRA
+# adapter, on eval essays; fidelity and sanity against the Full-IT model (--reference).
 FULL_EVAL := $(VENV)/bin/speedkv eval --dtype bfloat16 --seed 0 --resume --shared-prefill \
 	--tasks niah,niah_multikey,fidelity,sanity --lengths 2048,4096 \
 	--samples niah=20,niah_multikey=8,fidelity=8,sanity=12 --reference runs/full-it/full
@@ -205,7 +206,7 @@ full-study-eval: install
 			--methods "speed:lcut=$${run%-*},anchors=$${run#*-}" || exit 1; \
 	done
 	$(FULL_EVAL) --model smollm2-135m --out runs/full-it-eval/untrained \
-		--methods "full;speed:lcut=22,anchors=bos;speed:lcut=22,anchors=none;speed:lcut=18,anchors=bos"
+		--methods "full;speed:lcut=22,anchors=bos"
 	$(FULL_EVAL) --model smollm2-135m --adapter $(SPEED22_ADAPTER) --out runs/full-it-eval/lora-speed22-bos \
 		--methods "speed:lcut=22,anchors=bos"
 

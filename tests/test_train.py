@@ -459,11 +459,12 @@ def test_a_run_trains_checkpoints_and_resumes_exactly(tiny_model_dir, tmp_path):
     finished = adapter_weights(out)
 
     # train-compare reads the probes of a finished run, and of a checkpoint mid-run
-    from speedkv.train.compare import run_probes
+    from speedkv.train.compare import run_label, run_probes
     from speedkv.train.plots import plot_probe_comparison
 
     done = run_probes(out)
     assert done["finished"] and [p["step"] for p in done["probes"]] == [0, 2, 4]
+    assert run_label(done) == "run (speed:lcut=2,anchors=bos)"  # runs differing in anchor differ
     assert [p["ppl"] for p in done["probes"]] == [h["probe_ppl"] for h in probes]
     midway = run_probes(out / "checkpoints" / "checkpoint-2")
     assert not midway["finished"] and [p["step"] for p in midway["probes"]] == [0, 2]

@@ -61,11 +61,14 @@ def _latest_checkpoint(run: Path) -> Path | None:
 
 
 def _short_method(run: dict) -> str:
-    return run["method"].split(",")[0]  # 'speed:lcut=22' or 'full'
+    """'full', or the cutoff and anchor that tell runs apart: 'speed:lcut=22,anchors=bos'."""
+    head, _, rest = run["method"].partition(",")
+    anchors = [part for part in rest.split(",") if part.startswith("anchors=")]
+    return ",".join([head, *anchors])
 
 
 def run_label(run: dict) -> str:
-    """Short legend text: the directory name and the method's cutoff."""
+    """Short legend text: the directory name, the method's cutoff and its anchor."""
     state = "" if run["finished"] else ", unfinished"
     return f"{Path(run['run']).name} ({_short_method(run)}{state})"
 
