@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+from speedkv.core.spec import split_spec
 from speedkv.errors import UserError
 from speedkv.hf.adapters import INFO_NAME
 
@@ -62,9 +63,9 @@ def _latest_checkpoint(run: Path) -> Path | None:
 
 def _short_method(run: dict) -> str:
     """'full', or the cutoff and anchor that tell runs apart: 'speed:lcut=22,anchors=bos'."""
-    head, _, rest = run["method"].partition(",")
-    anchors = [part for part in rest.split(",") if part.startswith("anchors=")]
-    return ",".join([head, *anchors])
+    name, options = split_spec(run["method"])
+    shown = [f"{key}={options[key]}" for key in ("lcut", "anchors") if key in options]
+    return f"{name}:{','.join(shown)}" if shown else name
 
 
 def run_label(run: dict) -> str:
