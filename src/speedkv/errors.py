@@ -7,3 +7,10 @@ answers HTTP 400. Anything else escaping is a bug and keeps its traceback.
 
 class UserError(ValueError):
     """A mistake in what the user asked for; the message says what is wrong and what is allowed."""
+
+
+class Unsupported(RuntimeError):
+    """A configuration speedkv refuses because it cannot run it correctly (for example a vLLM
+    feature the SPEED plugin does not support); the message names it in one sentence. Faces
+    treat it like a UserError. A RuntimeError, not a ValueError: vLLM builds its configuration
+    with pydantic, which folds a ValueError raised inside into a multi-line validation report."""

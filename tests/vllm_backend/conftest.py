@@ -1,17 +1,32 @@
 """Tests of the vLLM backend. They run where vLLM is installed (`make vllm-venv` builds
 .venv-vllm; `make test` runs them there); tests/conftest.py leaves them out elsewhere.
 
-vLLM runs in this process (VLLM_ENABLE_V1_MULTIPROCESSING=0), in float32 and eagerly, so its
-greedy tokens can be compared with speedkv's own engine."""
+vLLM runs in this process (VLLM_ENABLE_V1_MULTIPROCESSING=0), in float32 and eagerly unless a
+test asks for vLLM's compilation, so its greedy tokens can be compared with speedkv's own engine.
+Tensor- and pipeline-parallel runs start one worker process per rank, each bound to a core."""
 
 from __future__ import annotations
 
+import functools
 import gc
 import os
 from dataclasses import dataclass
+from types import SimpleNamespace
 
+import pytest
+import torch
+
+from speedkv import Engine, Request, SamplingParams, load_model, make_policy
+from speedkv.hf.loading import model_directory
+from speedkv.prompts.builders import exact_chat_prompt, raw_passage
+from speedkv.vllm.compact import compact_length
+
+# set before vLLM is imported (speedkv's modules above do not import it)
 os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
 os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+# the tests read counters off the workers (collective_rpc with a function): with worker
+# processes (tensor parallel) vLLM pickles the function, which it allows only when asked
+os.environ.setdefault("VLLM_ALLOW_INSECURE_SERIALIZATION", "1")
 
 
 @dataclass
@@ -19,13 +34,19 @@ class VllmRun:
     tokens: list[list[int]]
     upper_rows: int | None  # rows that entered the upper layers (SPEED models only)
     preemptions: int
+    rank_rows: list[int | None]  # upper_rows of every worker (tensor-parallel ranks)
 
 
 def run_vllm(directory, prompts: list[list[int]], new_tokens: int, **llm_args) -> VllmRun:
     """Greedy tokens from one vLLM engine built for this call (float32, eager)."""
     from vllm import LLM, SamplingParams
 
+    from speedkv.vllm.offline import cpu_thread_binding
+
     llm_args = {"dtype": "float32", "seed": 0, "enforce_eager": True, **llm_args}
+    binding = os.environ.get("VLLM_CPU_OMP_THREADS_BIND")
+    ranks = llm_args.get("tensor_parallel_size", 1) * llm_args.get("pipeline_parallel_size", 1)
+    cpu_thread_binding(ranks)
     llm = LLM(model=str(directory), disable_log_stats=False, **llm_args)
     try:
         sampling = SamplingParams(temperature=0.0, max_tokens=new_tokens, ignore_eos=True,
@@ -33,12 +54,91 @@ def run_vllm(directory, prompts: list[list[int]], new_tokens: int, **llm_args) -
         outputs = llm.generate([{"prompt_token_ids": p} for p in prompts], sampling, use_tqdm=False)
         rows = llm.collective_rpc(
             lambda worker: getattr(worker.model_runner.model, "upper_rows", None)
-        )[0]
+        )
         preemptions = next(
             (int(m.value) for m in llm.get_metrics() if m.name == "vllm:num_preemptions"), 0
         )
-        return VllmRun([list(o.outputs[0].token_ids) for o in outputs], rows, preemptions)
+        tokens = [list(o.outputs[0].token_ids) for o in outputs]
+        return VllmRun(tokens, rows[0], preemptions, rows)
     finally:
         llm.llm_engine.engine_core.shutdown()  # now, not whenever the collector gets to it
         del llm
         gc.collect()
+        if binding is None:  # the next engine may have another number of ranks
+            os.environ.pop("VLLM_CPU_OMP_THREADS_BIND", None)
+
+
+# -- SmolLM2-135M, a mixed batch and speedkv's own engine's tokens, shared by the test files --
+NEW = 8
+LENGTHS = [1, 2, 5, 37, 300, 900, 1700, 3000]
+
+
+@pytest.fixture(scope="session")
+def smollm():
+    return load_model("smollm2-135m", dtype="float32", device="cpu", progress=False)
+
+
+@pytest.fixture(scope="session")
+def directory():
+    return model_directory("smollm2-135m", progress=False)
+
+
+@pytest.fixture(scope="session")
+def prompts(smollm) -> list[list[int]]:
+    tok = smollm.tokenizer
+    return [
+        raw_passage(tok, n, "eval", 7 * i + 3) if n < 40 else exact_chat_prompt(tok, n, 11 * i)
+        for i, n in enumerate(LENGTHS)
+    ]
+
+
+@pytest.fixture(scope="session")
+def reference(smollm):
+    """speedkv's own engine: greedy tokens of a method over prompts (memoised)."""
+    engine = Engine(smollm)
+
+    @functools.cache
+    def tokens(method: str, prompts: tuple[tuple[int, ...], ...], new: int = NEW):
+        requests = [
+            Request(
+                list(p),
+                make_policy(method, smollm.shape),
+                SamplingParams(max_new_tokens=new, ignore_eos=True),
+            )
+            for p in prompts
+        ]
+        return [g.output_ids for g in engine.generate(requests)]
+
+    return lambda method, prompts, new=NEW: tokens(method, tuple(map(tuple, prompts)), new)
+
+
+def upper_rows(prompts, anchors: int, deep: int, new: int) -> int:
+    """Rows SPEED sends through the upper layers: each prompt's full-depth positions, then
+    every generated token that is fed back (the last one never is)."""
+    lengths = torch.tensor([len(p) for p in prompts])
+    prompt_rows = compact_length(lengths, lengths, anchors, deep).sum().item()
+    return int(prompt_rows) + len(prompts) * (new - 1)
+
+
+def fake_config(v2: bool = False, graphs=None, pipeline: int = 1, hf_config=None):
+    """What `speedkv.vllm.support` reads of an engine's configuration, for the paths this
+    machine cannot build one for (a GPU's defaults, pipeline stages): Model Runner V2 is
+    vLLM's default where Triton is installed, unless VLLM_USE_V2_MODEL_RUNNER says otherwise."""
+
+    class Config(SimpleNamespace):
+        @property
+        def use_v2_model_runner(self) -> bool:
+            chosen = os.environ.get("VLLM_USE_V2_MODEL_RUNNER")
+            return v2 if chosen is None else chosen == "1"
+
+    return Config(
+        model_config=SimpleNamespace(hf_config=hf_config),
+        compilation_config=SimpleNamespace(cudagraph_mode=graphs),
+        parallel_config=SimpleNamespace(pipeline_parallel_size=pipeline,
+                                        decode_context_parallel_size=1,
+                                        prefill_context_parallel_size=1, enable_dbo=False,
+                                        use_ubatching=False),  # fmt: skip
+        cache_config=SimpleNamespace(enable_prefix_caching=False, kv_sharing_fast_prefill=False),
+        scheduler_config=SimpleNamespace(disable_hybrid_kv_cache_manager=False),
+        kv_transfer_config=None, speculative_config=None, lora_config=None,
+    )  # fmt: skip

@@ -1,5 +1,7 @@
 """The README's `.venv-vllm/bin/speedkv` lines run as written (with small sizes appended), from
-a newcomer's directory: the vLLM half of tests/test_readme.py."""
+a newcomer's directory: the vLLM half of tests/test_readme.py. vLLM's torch.compile is switched
+off here (TORCH_COMPILE_DISABLE) to keep the suite's time: the compiled path has its own tests
+(test_vllm_compiled.py, test_vllm_serve.py)."""
 
 from __future__ import annotations
 
@@ -10,7 +12,8 @@ import test_readme as readme
 newcomer = readme.newcomer  # the same fixture: a doc.txt and the shipped adapters
 
 
-def test_every_vllm_readme_command_runs(newcomer):
+def test_every_vllm_readme_command_runs(newcomer, monkeypatch):
+    monkeypatch.setenv("TORCH_COMPILE_DISABLE", "1")
     commands = readme.readme_commands(".venv-vllm")
     assert {args[0] for args in commands} == {"generate", "serve"}
     for args in commands:

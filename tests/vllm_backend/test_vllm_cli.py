@@ -54,7 +54,7 @@ def test_bench_on_vllm_writes_the_same_report(tmp_path, monkeypatch, capsys):
     out = tmp_path / "bench"
     args = ["bench", "--backend", "vllm", "--methods", "speed:lcut=15,anchors=bos",
             "--lengths", "512", "--max-new-tokens", "4", "--repeats", "2", "--out", str(out),
-            "--json"]  # fmt: skip
+            "--json", "--vllm-arg=--enforce-eager"]  # fmt: skip
     code, stdout, err = run_cli(args, monkeypatch, capsys)
     assert code == 0, err
     result = json.loads(stdout)

@@ -3,69 +3,13 @@ prompts from 1 to 3000 tokens; again with chunked prefill and with preemption fo
 
 from __future__ import annotations
 
-import functools
-
 import pytest
-import torch
 
-from speedkv import Engine, Request, SamplingParams, load_model, make_policy
-from speedkv.hf.loading import model_directory
-from speedkv.prompts.builders import exact_chat_prompt, raw_passage
+from speedkv.prompts.builders import exact_chat_prompt
 from speedkv.vllm.args import engine_args
-from speedkv.vllm.compact import compact_length
 from speedkv.vllm.settings import SpeedSettings
 
-from conftest import run_vllm
-
-NEW = 8
-LENGTHS = [1, 2, 5, 37, 300, 900, 1700, 3000]
-
-
-@pytest.fixture(scope="module")
-def smollm():
-    return load_model("smollm2-135m", dtype="float32", device="cpu", progress=False)
-
-
-@pytest.fixture(scope="module")
-def directory():
-    return model_directory("smollm2-135m", progress=False)
-
-
-@pytest.fixture(scope="module")
-def prompts(smollm) -> list[list[int]]:
-    tok = smollm.tokenizer
-    return [
-        raw_passage(tok, n, "eval", 7 * i + 3) if n < 40 else exact_chat_prompt(tok, n, 11 * i)
-        for i, n in enumerate(LENGTHS)
-    ]
-
-
-@pytest.fixture(scope="module")
-def reference(smollm):
-    """speedkv's own engine: greedy tokens of a method over prompts (memoised)."""
-    engine = Engine(smollm)
-
-    @functools.cache
-    def tokens(method: str, prompts: tuple[tuple[int, ...], ...], new: int = NEW):
-        requests = [
-            Request(
-                list(p),
-                make_policy(method, smollm.shape),
-                SamplingParams(max_new_tokens=new, ignore_eos=True),
-            )
-            for p in prompts
-        ]
-        return [g.output_ids for g in engine.generate(requests)]
-
-    return lambda method, prompts, new=NEW: tokens(method, tuple(map(tuple, prompts)), new)
-
-
-def upper_rows(prompts, anchors: int, deep: int, new: int) -> int:
-    """Rows SPEED sends through the upper layers: each prompt's full-depth positions, then
-    every generated token that is fed back (the last one never is)."""
-    lengths = torch.tensor([len(p) for p in prompts])
-    prompt_rows = compact_length(lengths, lengths, anchors, deep).sum().item()
-    return int(prompt_rows) + len(prompts) * (new - 1)
+from conftest import NEW, run_vllm, upper_rows
 
 
 def test_full_is_stock_vllm_and_equals_the_engine(directory, prompts, reference):
@@ -93,11 +37,13 @@ def test_speed_architecture_at_lcut_L_equals_stock(directory, prompts, reference
         ("speed:lcut=22,anchors=bos", 1, 1, {}),
         ("speed:lcut=22,anchors=bos,deep=4", 1, 4, {}),
         ("speed:lcut=22,anchors=none", 0, 1, {}),
+        # 10 lower and 20 upper layers: two upper KV cache groups, each with its own metadata
+        ("speed:lcut=10,anchors=bos,deep=4", 1, 4, {}),
         # chunked prefill: a 128-token budget splits every long prompt, anywhere in it
         ("speed:lcut=22,anchors=bos", 1, 1, {"max_num_batched_tokens": 128}),
         ("speed:lcut=22,anchors=bos,deep=4", 1, 4, {"max_num_batched_tokens": 128}),
     ],
-    ids=["bos-deep1", "bos-deep4", "none", "chunked-deep1", "chunked-deep4"],
+    ids=["bos-deep1", "bos-deep4", "none", "lcut10", "chunked-deep1", "chunked-deep4"],
 )
 def test_speed_equals_the_engine(directory, prompts, reference, method, anchors, deep, llm_args):
     run = run_vllm(directory, prompts, NEW, **engine_args(method, directory), **llm_args)
@@ -142,7 +88,8 @@ def test_prompt_logprobs_are_refused_offline(directory):
     from vllm import SamplingParams as VllmSampling
     from vllm.exceptions import VLLMValidationError
 
-    llm = LLM(model=str(directory), dtype="float32", **engine_args("speed:lcut=22", directory))
+    llm = LLM(model=str(directory), dtype="float32", enforce_eager=True,
+              **engine_args("speed:lcut=22", directory))  # fmt: skip
     try:
         with pytest.raises(VLLMValidationError, match="not available under SPEED"):
             llm.generate([{"prompt_token_ids": [1, 2, 3, 4]}],

@@ -7,20 +7,27 @@ from pathlib import Path
 
 import torch
 
+# the instruction sets the kernels here (torch's, oneDNN's, speedkv's, vLLM's) choose between
+ISA_FLAGS = ("avx2", "avx512f", "avx512_bf16", "avx512_fp16", "amx_bf16", "amx_int8", "asimd",
+             "sve")  # fmt: skip
+
 
 def machine_facts() -> dict:
-    cpu = "unknown"
+    cpu, flags = "unknown", set()
     try:
         for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                cpu = line.split(":", 1)[1].strip()
-                break
+            key, _, value = line.partition(":")
+            if key.strip() == "model name" and cpu == "unknown":
+                cpu = value.strip()
+            elif key.strip() in ("flags", "Features") and not flags:
+                flags = set(value.split())
     except OSError:
         pass
     import transformers
 
     return {
         "cpu": cpu,
+        "isa": [f for f in ISA_FLAGS if f in flags],
         "threads": torch.get_num_threads(),
         "python": platform.python_version(),
         "torch": torch.__version__,

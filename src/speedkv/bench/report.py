@@ -60,15 +60,17 @@ def markdown_table(result: dict) -> str:
 def report_markdown(result: dict, images: str = ".") -> str:
     """A self-contained report: command, machine, table and the efficiency figure."""
     cfg = result["config"]
+    on_vllm = ", inside vLLM" if result.get("decode") == "vllm" else ""
     return "\n".join(
         [
-            f"# Efficiency of every method on `{cfg['model']}` ({result['dtype']})",
+            f"# Efficiency of every method on `{cfg['model']}` ({result['dtype']}{on_vllm})",
             "",
             *measured_with(result, "speedkv bench"),
             f"Model `{cfg['model']}` in {result['dtype']}; {cfg['new_tokens']} new tokens per run; "
             f"medians of {cfg['repeats']} repeats after one warm-up, methods interleaved within "
             f"each repeat; ratios against `full` from the same repeat. {machine_sentence(result)} "
             "FLOPs x is the prefill cost-model ratio (layer-token matmuls plus attention pairs).",
+            *[line for note in result.get("notes", []) for line in ("", note)],
             "",
             limits_sentence(result),
             "",
@@ -88,8 +90,10 @@ def measured_with(result: dict, default_command: str) -> list[str]:
 
 def machine_sentence(result: dict) -> str:
     machine = result["machine"]
+    flags = machine.get("isa")
+    isa = f" ({', '.join(flags)})" if flags else ""
     return (
-        f"Machine: {machine['cpu']}, {machine['threads']} threads, torch {machine['torch']}, "
+        f"Machine: {machine['cpu']}{isa}, {machine['threads']} threads, torch {machine['torch']}, "
         f"transformers {machine['transformers']}."
     )
 

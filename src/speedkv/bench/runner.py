@@ -153,7 +153,6 @@ class Bench:
         if progress:
             # stderr, like every progress line: stdout carries the table or --json
             log(f"machine limits: {self.limits().describe()}", source="bench")
-        prompts = {n: exact_chat_prompt(self.tokenizer, n) for n in cfg.lengths}
         todo = pending_runs(runs, cfg.repeats, cfg.lengths, self.methods)
         # one warm-up per method, at its shortest pending length: first-call costs do not
         # grow with the prompt, and a warm-up at 32K tokens would cost minutes
@@ -168,12 +167,12 @@ class Bench:
         )
         for n, m in warm:
             bar.set_postfix_str(f"warm-up {m} @ {n}")
-            self.measure(m, prompts[n], cfg.warmup_tokens)
+            self.measure(m, self.prompt(n, repeat=-1), cfg.warmup_tokens)
             bar.update()
         append_runs(
             runs_path,
             todo,
-            lambda m, n, rep: self.measure(m, prompts[n], cfg.new_tokens),
+            lambda m, n, rep: self.measure(m, self.prompt(n, rep), cfg.new_tokens),
             runs,
             bar,
             cfg.repeats,
@@ -182,6 +181,17 @@ class Bench:
         return self.summarise(runs)
 
     # -- what the sweep needs of the engine (VllmBench answers them for vLLM) ----------------
+    prompt_per_repeat = False  # every repeat measures the same prompt of each length
+    notes: tuple[str, ...] = ()  # how this engine was measured, beyond the config (reports)
+
+    def prompt(self, length: int, repeat: int) -> list[int]:
+        """The prompt of `length` tokens a repeat measures (repeat -1: the warm-up)."""
+        start = 7 * (repeat + 1) if self.prompt_per_repeat else 0
+        cache = self.__dict__.setdefault("_prompts", {})
+        if (length, start) not in cache:
+            cache[length, start] = exact_chat_prompt(self.tokenizer, length, start)
+        return cache[length, start]
+
     @property
     def tokenizer(self):
         return self.model.tokenizer
@@ -248,6 +258,7 @@ class Bench:
             "dtype": self.dtype_name,
             "decode": self.decode_mode,
             "machine": machine_facts(),
+            "notes": list(self.notes),
             "limits": {
                 "bandwidth_gb_s": limits.bandwidth_bytes_s / 1e9,
                 "matmul_tflop_s": limits.matmul_flops_s / 1e12,

@@ -9,7 +9,7 @@ from typing import Annotated
 import typer
 
 from speedkv.cli import analysis, bench, demo, evals, generate, prefix, serve, train
-from speedkv.errors import UserError
+from speedkv.errors import Unsupported, UserError
 from speedkv.version import __version__
 
 app = typer.Typer(
@@ -47,7 +47,7 @@ def main() -> None:
     """Entry point: user mistakes print one sentence and exit 2, never a traceback."""
     try:
         app(standalone_mode=False)
-    except UserError as err:
+    except (UserError, Unsupported) as err:
         print(f"error: {err}", file=sys.stderr)
         sys.exit(2)
     except typer.Abort:

@@ -24,6 +24,7 @@ from speedkv.cli.options import (
     OutDir,
     Prepack,
     Threads,
+    VllmArg,
     Weights,
     count_option,
     parse_methods,
@@ -101,6 +102,7 @@ def bench(
     device: Device = "auto",
     threads: Threads = 0,
     backend: Backend = "speedkv",
+    vllm_arg: VllmArg = None,
     as_json: AsJson = False,
 ) -> None:
     """Measure TTFT, TPOT, KV bytes, peak RSS and FLOPs per method and prompt length.
@@ -108,7 +110,8 @@ def bench(
     The same run measures this machine's read bandwidth and matmul rate and reports every
     TTFT and TPOT as a multiple of its hardware limit. With --adapter the merged weights run:
     what they cost is the base model's cost. With --backend vllm every method runs on its own
-    vLLM engine (full is stock vLLM), against the same prompts.
+    vLLM engine (full is stock vLLM), prefix caching off for all of them, each repeat on a
+    prompt of its own shared by the methods.
     """
     from speedkv.bench.runner import Bench, BenchConfig
 
@@ -124,8 +127,10 @@ def bench(
         command=command_line(),
     )
     if backend == "vllm":
-        runner = vllm_bench(model, config, adapter, weights, out)
+        runner = vllm_bench(model, config, adapter, weights, out, vllm_arg or [])
     else:
+        if vllm_arg:
+            raise UserError("--vllm-arg is for --backend vllm")
         set_threads(threads)
         runner = Bench(load(model, dtype, device, adapter, weights, prepack), config, out)
     result = runner.run(resume=resume)
@@ -145,12 +150,13 @@ def bench(
         log(f"results in {out}/ (results.json, results.csv, table.md, efficiency.png)")
 
 
-def vllm_bench(model: str, config, adapter: Path | None, weights: str, out: Path):
+def vllm_bench(model: str, config, adapter: Path | None, weights: str, out: Path,
+               vllm_args: list[str]):  # fmt: skip
     """`bench --backend vllm`: every method checked against what vLLM runs before any loads."""
     from speedkv.cli.common import vllm_dtype, vllm_model
     from speedkv.vllm.args import engine_args
     from speedkv.vllm.bench import VllmBench
-    from speedkv.vllm.offline import cpu_kv_space, quiet_vllm_logs
+    from speedkv.vllm.offline import cpu_kv_space, engine_kwargs, quiet_vllm_logs
 
     if weights != "native":
         raise UserError("--weights is speedkv's own engine's; drop it with --backend vllm")
@@ -162,7 +168,7 @@ def vllm_bench(model: str, config, adapter: Path | None, weights: str, out: Path
     quiet_vllm_logs()
     cpu_kv_space(1)  # GiB per method's engine: one request at a time
     config.dtype = vllm_dtype(config.dtype)
-    return VllmBench(directory, config, out)
+    return VllmBench(directory, config, out, engine_kwargs(vllm_args))
 
 
 @commands.command("bench-reuse")

@@ -24,6 +24,7 @@ from speedkv.cli.options import (
     Raw,
     Seed,
     Threads,
+    VllmArg,
     Weights,
     parsed_option,
 )
@@ -70,6 +71,7 @@ def generate(
     device: Device = "auto",
     threads: Threads = 0,
     backend: Backend = "speedkv",
+    vllm_arg: VllmArg = None,
     as_json: AsJson = False,
 ) -> None:
     """Generate a continuation of one prompt, streaming the text as it is produced. With
@@ -93,8 +95,11 @@ def generate(
             raise UserError(
                 "--load and --weights are speedkv's own engine's; drop them with --backend vllm"
             )
-        generate_on_vllm(text, model, method, raw, sampling, adapter, dtype, as_json)
+        generate_on_vllm(text, model, method, raw, sampling, adapter, dtype, as_json,
+                         vllm_arg or [])  # fmt: skip
         return
+    if vllm_arg:
+        raise UserError("--vllm-arg is for --backend vllm")
     set_threads(threads)
     loaded = load(model, dtype, device, adapter, weights, prepack)
     engine = Engine(loaded)
@@ -155,12 +160,13 @@ def generate_on_vllm(
     adapter: Path | None,
     dtype: str,
     as_json: bool,
+    vllm_args: list[str],
 ) -> None:
     """`speedkv generate --backend vllm`: the same prompt ids and record, from vLLM."""
     from speedkv.bench.memory import peak_rss_bytes
     from speedkv.hf.loading import load_tokenizer
     from speedkv.hf.text import encode_prompt
-    from speedkv.vllm.offline import VllmEngine, cpu_kv_space, quiet_vllm_logs
+    from speedkv.vllm.offline import VllmEngine, cpu_kv_space, engine_kwargs, quiet_vllm_logs
 
     spec = str(method or "full")
     directory = vllm_model(model, spec, adapter)
@@ -168,7 +174,8 @@ def generate_on_vllm(
     cpu_kv_space(1)  # GiB: room for one request
     ids = encode_prompt(load_tokenizer(directory), text, chat=not raw).ids
     log(f"starting vLLM on {directory.name}, method {spec}")
-    with VllmEngine.open(directory, spec, dtype=vllm_dtype(dtype)) as engine:
+    options = engine_kwargs(vllm_args)
+    with VllmEngine.open(directory, spec, dtype=vllm_dtype(dtype), **options) as engine:
         log(f"{len(ids)} prompt tokens, method {spec}, {engine.dtype_name}, backend vllm")
         record = engine.generate([ids], sampling)[0]
         dtype_name = engine.dtype_name

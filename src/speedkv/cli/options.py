@@ -212,6 +212,16 @@ Backend = Annotated[
         "plugin (full and speed; needs vLLM installed: make vllm-venv; docs/vllm.md).",
     ),
 ]
+VllmArg = Annotated[
+    list[str] | None,
+    typer.Option(
+        "--vllm-arg",
+        metavar="ARG",
+        help="With --backend vllm: one more vLLM engine flag (repeatable), e.g. "
+        "--vllm-arg=--tensor-parallel-size=3 or --vllm-arg=--pipeline-parallel-size=2. "
+        "Options SPEED cannot run are refused with one sentence (docs/vllm.md).",
+    ),
+]
 Dtype = Annotated[
     str,
     parsed_option(

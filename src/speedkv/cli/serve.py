@@ -17,6 +17,7 @@ from speedkv.cli.options import (
     Model,
     Prepack,
     Threads,
+    VllmArg,
     Weights,
     count_option,
     parsed_option,
@@ -113,15 +114,7 @@ def serve(
         typer.Option("--log-level", help="uvicorn log level: critical, error, warning, info."),
     ] = "info",
     backend: Backend = "speedkv",
-    vllm_arg: Annotated[
-        list[str] | None,
-        typer.Option(
-            "--vllm-arg",
-            metavar="ARG",
-            help="With --backend vllm: one more argument for `vllm serve` (repeatable), e.g. "
-            "--vllm-arg=--max-num-seqs=32.",
-        ),
-    ] = None,
+    vllm_arg: VllmArg = None,
 ) -> None:
     """Serve the OpenAI API (/v1/completions, /v1/chat/completions, /v1/models) with
     continuous batching, plus /metrics (Prometheus) and /health. With --backend vllm, vLLM's
@@ -183,12 +176,13 @@ def serve_on_vllm(
     import os
 
     from speedkv.vllm.offline import cpu_kv_space
-    from speedkv.vllm.serve import serve_command
+    from speedkv.vllm.serve import check_serve_command, serve_command
 
     directory = vllm_model(model, method.text, adapter)
     argv = serve_command(directory, method.text, model, vllm_dtype(dtype), host, port, api_key,
                          extra)  # fmt: skip
     cpu_kv_space(4)  # room for many requests; VLLM_CPU_KVCACHE_SPACE overrides it
+    check_serve_command(argv)  # what SPEED cannot run is refused here, not in vLLM's server
     _log(f"serving '{model}' with {method.text} on vLLM: {' '.join(argv[1:])}")
     sys.stdout.flush()
     os.execv(argv[0], argv)

@@ -98,6 +98,7 @@ def engine_args(method: str, directory: str | Path) -> dict[str, Any]:
         "hf_overrides": settings.hf_overrides(shape.model_type),
         # the upper layers' compact K/V is per request: no block may be shared
         "enable_prefix_caching": False,
-        # which rows go up is decided per step; a compiled graph would bake it in
-        "enforce_eager": True,
+        # which rows go up changes every step, so no CUDA graph may replay one step's tensors;
+        # torch.compile stays on (each half of the layer loop is compiled: stacks.py)
+        "compilation_config": {"cudagraph_mode": "NONE"},
     }

@@ -1,44 +1,119 @@
-"""The one fact SPEED needs that vLLM's attention metadata lacks: each request's prompt length.
+"""What the upper layers' builder needs of a step that vLLM's attention metadata lacks: each
+request's prompt length, and the blocks each KV cache group holds for it, on the host.
 
-The model runner knows it (`input_batch.num_prompt_tokens_cpu_tensor`, the original length, also
-when a preempted request is recomputed). A thin wrapper around the runner's metadata build
-publishes that tensor for the builders it calls, in the same order as the step's requests.
+vLLM's V1 model runner knows both (`input_batch.num_prompt_tokens_cpu_tensor`, the original
+length, also when a preempted request is recomputed; `input_batch.block_table`, whose host copy
+is the one the device table is made from, in the KV manager's block unit). Two thin
+wrappers around the runner publish them while it builds a step's metadata:
+
+- around `_build_attention_metadata`: the facts of a real step,
+- around `_dummy_run`: the step is a dummy (warm-up, profiling), shapes only.
+
+A builder that runs outside both (Model Runner V2, a drafter, a future caller) gets no facts and
+raises: SPEED never guesses a prompt length. Model Runner V2 is refused at engine start
+(`support.py`); this is the second line.
 """
 
 from __future__ import annotations
 
 import functools
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
 
+import numpy as np
 import torch
 
-_current: torch.Tensor | None = None  # per-row prompt lengths of the step being built
-_HOOKED = "_speedkv_prompt_lengths"
+from speedkv.errors import Unsupported
+
+NO_STEP = (
+    "SPEED cannot tell the prompt lengths of this step: its attention metadata was built "
+    "outside vLLM's V1 model runner step (Model Runner V2, a drafter or another caller), and "
+    "the plugin never guesses them"
+)
+_HOOKED = "_speedkv_hooked"
 
 
-def prompt_lengths(num_reqs: int) -> torch.Tensor:
-    """Prompt length of each of the step's first `num_reqs` requests."""
+@dataclass(frozen=True)
+class GroupBlocks:
+    """One KV cache group's blocks during a step."""
+
+    layer_names: frozenset[str]
+    table: np.ndarray  # [requests, width] each request's block ids (host copy)
+    blocks_per_row: np.ndarray  # how many of them the KV manager holds, per request
+    block_size: int  # tokens per block, in the KV manager's unit
+
+
+@dataclass(frozen=True)
+class StepFacts:
+    prompt_lens: torch.Tensor  # [requests] each request's prompt length (CPU)
+    groups: tuple[GroupBlocks, ...]
+
+    def blocks_of(self, layer_name: str) -> GroupBlocks:
+        for group in self.groups:
+            if layer_name in group.layer_names:
+                return group
+        raise Unsupported(f"SPEED found no KV cache group holding layer {layer_name}")
+
+
+_DUMMY = "dummy"
+_current: StepFacts | str | None = None
+
+
+def current_step() -> StepFacts | None:
+    """The facts of the step being built; None in a dummy step (warm-up, profiling)."""
     if _current is None:
-        # No step is being built (a warm-up or profile run): no prompt, every position is deep.
-        return torch.zeros(num_reqs, dtype=torch.int64)
-    return _current[:num_reqs]
+        raise Unsupported(NO_STEP)
+    return None if _current == _DUMMY else _current  # type: ignore[return-value]
 
 
-def install_runner_hook() -> None:
-    """Wrap the GPU/CPU model runner's metadata build once per process."""
+@contextmanager
+def publishing(facts: StepFacts | str) -> Iterator[None]:
+    global _current
+    previous, _current = _current, facts
+    try:
+        yield
+    finally:
+        _current = previous
+
+
+def runner_facts(runner) -> StepFacts:
+    """The facts of the step a V1 model runner is building."""
+    tables = runner.input_batch.block_table.block_tables
+    groups = tuple(
+        GroupBlocks(
+            frozenset(group.layer_names),
+            table.get_numpy_array(),
+            table.num_blocks_per_row,
+            table.block_size,
+        )
+        for group, table in zip(runner.kv_cache_config.kv_cache_groups, tables)
+    )
+    return StepFacts(runner.input_batch.num_prompt_tokens_cpu_tensor, groups)
+
+
+def install_runner_hooks() -> None:
+    """Wrap the V1 (GPU/CPU) model runner's metadata build and dummy runs, once per process."""
     from vllm.v1.worker.gpu_model_runner import GPUModelRunner
 
     build = GPUModelRunner._build_attention_metadata
     if getattr(build, _HOOKED, False):
         return
+    dummy_run = GPUModelRunner._dummy_run
 
     @functools.wraps(build)
-    def build_with_prompt_lengths(self, *args, **kwargs):
-        global _current
-        _current = self.input_batch.num_prompt_tokens_cpu_tensor
-        try:
+    def build_with_facts(self, *args, **kwargs):
+        if _current == _DUMMY:  # a dummy run building metadata (force_attention)
             return build(self, *args, **kwargs)
-        finally:
-            _current = None
+        with publishing(runner_facts(self)):
+            return build(self, *args, **kwargs)
 
-    setattr(build_with_prompt_lengths, _HOOKED, True)
-    GPUModelRunner._build_attention_metadata = build_with_prompt_lengths
+    @functools.wraps(dummy_run)
+    def dummy_run_marked(self, *args, **kwargs):
+        with publishing(_DUMMY):
+            return dummy_run(self, *args, **kwargs)
+
+    for wrapper in (build_with_facts, dummy_run_marked):
+        setattr(wrapper, _HOOKED, True)
+    GPUModelRunner._build_attention_metadata = build_with_facts
+    GPUModelRunner._dummy_run = dummy_run_marked

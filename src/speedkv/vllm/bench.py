@@ -4,6 +4,10 @@ Every method gets its own vLLM engine, and all of them stay alive, so each repea
 methods back to back in rotated order and every ratio is against `full` (stock vLLM) from the
 same repeat, as in speedkv's own bench. FLOPs are not reported: they are speedkv's own engine's
 count. KV bytes are the blocks vLLM's pool holds (`VllmEngine.block_bytes`).
+
+Like is compared with like: prefix caching is off for every engine, stock vLLM included (SPEED
+runs without it), and each repeat measures a prompt of its own, so no engine answers a repeat
+from a cache of the one before.
 """
 
 from __future__ import annotations
@@ -24,7 +28,14 @@ from speedkv.vllm.offline import VllmEngine
 
 
 class VllmBench(Bench):
-    def __init__(self, directory: Path, config: BenchConfig, out: Path):
+    prompt_per_repeat = True
+    notes = (
+        "vLLM: prefix caching off for every method, stock vLLM included; each repeat measures "
+        "a prompt of its own (the same one for every method within the repeat).",
+    )
+
+    def __init__(self, directory: Path, config: BenchConfig, out: Path,
+                 engine_options: dict | None = None):  # fmt: skip
         self.config, self.out = config, out
         self.shape = model_shape(directory)
         check_config(config, self.shape.max_positions)
@@ -35,7 +46,15 @@ class VllmBench(Bench):
         self._tokenizer = load_tokenizer(directory)
         self._limits: MachineLimits | None = None
         self.decode_mode = "vllm"
-        self.engines = {m: VllmEngine.open(directory, m, dtype=config.dtype) for m in self.methods}
+        self.engines = {
+            m: VllmEngine.open(
+                directory,
+                m,
+                dtype=config.dtype,
+                **{**(engine_options or {}), "enable_prefix_caching": False},
+            )
+            for m in self.methods
+        }
 
     def run(self, resume: bool, progress: bool = True) -> dict:
         try:

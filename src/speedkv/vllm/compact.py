@@ -47,6 +47,18 @@ def full_depth_count(seq_len: int, prompt_len: int, anchors: int, deep: int) -> 
     return int(compact_length(torch.tensor([seq_len]), torch.tensor([prompt_len]), anchors, deep))
 
 
+def step_positions(query_start: torch.Tensor, seq_lens: torch.Tensor) -> torch.Tensor:
+    """Each row's position, from the CPU-side facts of a step: request i's rows are its
+    positions `seq_lens[i] - query_len` up to `seq_lens[i] - 1`, in order. vLLM's V1 runner
+    lays a step out this way for text models without speculative decoding, so the builder
+    never reads the device's positions back (a host sync on a GPU)."""
+    query_lens = (query_start[1:] - query_start[:-1]).long()
+    first = seq_lens[: query_lens.numel()].long() - query_lens
+    request = torch.repeat_interleave(torch.arange(query_lens.numel()), query_lens)
+    offset = torch.arange(int(query_lens.sum())) - query_start[:-1].long()[request]
+    return first[request] + offset
+
+
 def full_depth_rows(
     positions: torch.Tensor,
     query_start: torch.Tensor,
@@ -88,6 +100,19 @@ def full_depth_rows(
 
 def compact_slots(block_table: torch.Tensor, batch: FullDepthRows, block_size: int) -> torch.Tensor:
     """The cache slot of each full-depth row: compact index c of request r lives at
-    `block_table[r, c // block_size] * block_size + c % block_size`."""
+    `block_table[r, c // block_size] * block_size + c % block_size`, in the KV manager's
+    blocks, the unit of vLLM's slot mappings. (An attention kernel with smaller blocks sees
+    manager block b as kernel blocks `b * m + j`: the same slots.)"""
     blocks = block_table[batch.row_request, batch.compact // block_size].long()
     return blocks * block_size + batch.compact % block_size
+
+
+def requests_short_of_blocks(
+    batch: FullDepthRows, blocks_held: torch.Tensor, block_size: int
+) -> torch.Tensor:
+    """The requests (indices into the step's requests) whose compact rows after this step
+    need more blocks than the KV manager gave them (`blocks_held[i]` blocks of `block_size`
+    slots): writing their K/V would land in blocks nobody allocated."""
+    needed = (batch.seq_lens.long() + block_size - 1) // block_size
+    held = blocks_held[batch.requests].long()
+    return batch.requests[needed > held]

@@ -3,26 +3,28 @@
 Same weights, same layers; only the backbone's layer loop differs. Every row of a step runs the
 layers below `lcut`; the full-depth rows (anchors, deep suffix, generated tokens) are gathered,
 run the layers from `lcut` up over the upper layers' compact cache (`attention.py`), and are
-scattered back before the final norm. Shallow rows leave with their lower-layer state: vLLM
-samples only a prompt's last row, which is always deep.
+scattered back. Shallow rows leave with their lower-layer state: vLLM samples only a prompt's
+last row, which is always deep.
 
-The backbone runs eagerly: which rows go up is decided per step, from metadata, which a compiled
-graph would bake in.
+The two halves are compiled separately (`stacks.py`); a step whose rows are all full depth
+(every decode-only step) skips the gather and scatter. With pipeline parallelism each rank runs
+its own slice of layers, split where the cut falls in it (`settings.rank_split`).
 """
 
 from __future__ import annotations
 
-from itertools import islice
-
 import torch
+from vllm.compilation.backends import set_model_tag
 from vllm.distributed import get_pp_group
 from vllm.model_executor.models.llama import LlamaForCausalLM
 from vllm.model_executor.models.qwen2 import Qwen2ForCausalLM
 from vllm.sequence import IntermediateTensors
 
+from speedkv.vllm import support
 from speedkv.vllm.attention import rows_of_step, use_speed_backend
-from speedkv.vllm.batch import install_runner_hook
-from speedkv.vllm.settings import SpeedSettings
+from speedkv.vllm.batch import install_runner_hooks
+from speedkv.vllm.settings import SpeedSettings, rank_split
+from speedkv.vllm.stacks import LowerStack, UpperStack
 
 
 class SpeedCausalLM:
@@ -30,26 +32,42 @@ class SpeedCausalLM:
 
     def _install_speed(self, vllm_config) -> None:
         self.speed = SpeedSettings.from_hf_config(vllm_config.model_config.hf_config)
-        layers = len(self.model.layers)
+        model = self.model
+        layers = len(model.layers)
         if not 0 <= self.speed.lcut <= layers:
             raise ValueError(
                 f"speedkv_lcut must be between 0 and {layers} for this model, got {self.speed.lcut}"
             )
-        if vllm_config.cache_config.enable_prefix_caching:
-            raise ValueError(
-                "SPEED keeps the upper layers' K/V in a per-request compact layout that prefix "
-                "caching cannot share; start vLLM with enable_prefix_caching=False"
-            )
-        install_runner_hook()  # the builders need each request's prompt length
-        for layer in islice(
-            self.model.layers, max(self.speed.lcut, self.model.start_layer), self.model.end_layer
-        ):
-            use_speed_backend(layer.self_attn.attn)
+        support.check(vllm_config, self.speed.compact_kv)  # the worker's own configuration
+        install_runner_hooks()  # the builders need each request's prompt length
+        lower, upper = rank_split(self.speed.lcut, model.start_layer, model.end_layer)
+        for index in upper:
+            attention = model.layers[index].self_attn.attn
+            use_speed_backend(attention)
             if self.speed.compact_kv:
                 from speedkv.vllm.kv_spec import use_compact_spec
 
-                use_compact_spec(layer.self_attn.attn, self.speed.anchors, self.speed.deep)
-        self.upper_rows = 0  # rows that entered the upper layers, for tests and benchmarks
+                use_compact_spec(attention, self.speed.anchors, self.speed.deep)
+        pp = get_pp_group()
+        self.lower_stack = None
+        if pp.is_first_rank or len(lower):
+            with set_model_tag("speedkv_lower"):
+                self.lower_stack = LowerStack(
+                    vllm_config=vllm_config,
+                    model=model,
+                    layers=[model.layers[i] for i in lower],
+                    embed=pp.is_first_rank,
+                )
+        self.upper_stack = None
+        if len(upper):
+            with set_model_tag("speedkv_upper"):
+                self.upper_stack = UpperStack(
+                    vllm_config=vllm_config,
+                    layers=[model.layers[i] for i in upper],
+                    norm=model.norm if pp.is_last_rank else None,
+                )
+        self._upper_names = [model.layers[i].self_attn.attn.layer_name for i in upper]
+        self.upper_rows = 0  # rows that entered this rank's upper layers, for tests and benchmarks
 
     def forward(
         self,
@@ -59,39 +77,47 @@ class SpeedCausalLM:
         inputs_embeds: torch.Tensor | None = None,
         **kwargs,
     ) -> torch.Tensor | IntermediateTensors:
-        model = self.model
-        if get_pp_group().is_first_rank:
-            hidden = model.embed_input_ids(input_ids) if inputs_embeds is None else inputs_embeds
-            residual = None
-        else:
+        pp = get_pp_group()
+        hidden = residual = None
+        if intermediate_tensors is not None and not pp.is_first_rank:
             hidden = intermediate_tensors["hidden_states"]
             residual = intermediate_tensors["residual"]
-        split = min(max(self.speed.lcut, model.start_layer), model.end_layer)
-        for layer in islice(model.layers, model.start_layer, split):
-            hidden, residual = layer(positions, hidden, residual)
-        if split < model.end_layer:
-            upper = list(islice(model.layers, split, model.end_layer))
-            hidden, residual = self._run_upper(upper, positions, hidden, residual)
-        if not get_pp_group().is_last_rank:
+        if self.lower_stack is not None:
+            hidden, residual = self.lower_stack(input_ids, positions, hidden, residual,
+                                                inputs_embeds)  # fmt: skip
+        normed = False
+        if self.upper_stack is not None:
+            hidden, residual = self._run_upper(positions, hidden, residual)
+            normed = pp.is_last_rank
+        if not pp.is_last_rank:
             return IntermediateTensors({"hidden_states": hidden, "residual": residual})
-        hidden, _ = model.norm(hidden, residual)
+        if not normed:
+            hidden, _ = self.model.norm(hidden, residual)
         return hidden
 
-    def _run_upper(self, layers, positions, hidden, residual):
-        rows = rows_of_step(layers[0].self_attn.attn)
-        if rows is None:  # warm-up / profiling: no metadata, shapes only
-            for layer in layers:
-                hidden, residual = layer(positions, hidden, residual)
-            return hidden, residual
-        if rows.numel() == 0:
-            return hidden, residual
-        self.upper_rows += int(rows.numel())
-        if residual is None:  # lcut = 0: the embeddings go straight up
+    def _run_upper(self, positions, hidden, residual):
+        """The upper layers over the step's full-depth rows. On the last rank every row comes
+        back normed: the rows that went up by the upper stack's final norm, the others (never
+        sampled) by the same norm here."""
+        if residual is None:  # no layer below the cut here: the embeddings go straight up
             residual = torch.zeros_like(hidden)
-        up_hidden, up_residual, up_positions = hidden[rows], residual[rows], positions[rows]
-        for layer in layers:
-            up_hidden, up_residual = layer(up_positions, up_hidden, up_residual)
-        return hidden.index_copy(0, rows, up_hidden), residual.index_copy(0, rows, up_residual)
+        rows = rows_of_step(self._upper_names)
+        if rows is None or rows.numel() == hidden.shape[0]:
+            # warm-up and profiling runs (shapes only), and steps whose rows are all full
+            # depth (decode-only): every row goes up, in place
+            if rows is not None:
+                self.upper_rows += int(rows.numel())
+            return self.upper_stack(positions, hidden, residual)
+        if rows.numel():
+            self.upper_rows += int(rows.numel())
+            up_hidden, up_residual = self.upper_stack(positions[rows], hidden[rows],
+                                                      residual[rows])  # fmt: skip
+        if get_pp_group().is_last_rank:
+            hidden, residual = self.model.norm(hidden, residual)
+        if rows.numel():
+            hidden = hidden.index_copy(0, rows, up_hidden)
+            residual = residual.index_copy(0, rows, up_residual)
+        return hidden, residual
 
 
 class SpeedLlamaForCausalLM(SpeedCausalLM, LlamaForCausalLM):

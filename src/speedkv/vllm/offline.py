@@ -25,6 +25,30 @@ def cpu_kv_space(gib: int) -> None:
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", str(gib))
 
 
+def cpu_thread_binding(ranks: int) -> None:
+    """On vLLM's CPU build, bind each of `ranks` workers (tensor x pipeline parallel) to a core
+    of this process, round-robin, unless the user set VLLM_CPU_OMP_THREADS_BIND: vLLM's own
+    choice binds by NUMA node and refuses more workers than nodes."""
+    if ranks > 1 and "VLLM_CPU_OMP_THREADS_BIND" not in os.environ:
+        cores = sorted(os.sched_getaffinity(0))
+        binding = "|".join(str(cores[r % len(cores)]) for r in range(ranks))
+        os.environ["VLLM_CPU_OMP_THREADS_BIND"] = binding
+
+
+def engine_kwargs(vllm_args: list[str]) -> dict[str, Any]:
+    """vLLM engine options given as its own command-line flags (`--vllm-arg`), as keyword
+    arguments of `vllm.LLM`: the ones that differ from vLLM's defaults."""
+    if not vllm_args:
+        return {}
+    from vllm.engine.arg_utils import EngineArgs
+    from vllm.utils.argparse_utils import FlexibleArgumentParser
+
+    parser = EngineArgs.add_cli_args(FlexibleArgumentParser(prog="--vllm-arg"))
+    given = vars(parser.parse_args(["--model", "-", *vllm_args]))
+    default = vars(parser.parse_args(["--model", "-"]))
+    return {k: v for k, v in given.items() if k != "model" and v != default.get(k)}
+
+
 def quiet_vllm_logs(level: str = "WARNING") -> None:
     """vLLM's log lines on stderr and at `level`, unless the user set them: stdout carries
     speedkv's own output (--json). Call before vLLM is imported."""
@@ -43,6 +67,7 @@ class VllmEngine:
     kv_bytes_per_token_layer: int
     block_size: int
     speed: SpeedSettings | None  # None: stock vLLM
+    stages: list[tuple[int, int]]  # the layers [start, end) of each pipeline stage
 
     @classmethod
     def open(cls, directory: str | Path, method: str, dtype: str = "auto",
@@ -50,13 +75,18 @@ class VllmEngine:
         require_vllm()
         import torch
         from vllm import LLM
+        from vllm.distributed.utils import get_pp_indices
 
         directory = Path(directory)
         shape = model_shape(directory)
         args = {**engine_args(method, directory), **llm_args}
+        if not torch.cuda.is_available():
+            ranks = args.get("tensor_parallel_size", 1) * args.get("pipeline_parallel_size", 1)
+            cpu_thread_binding(ranks)
         llm = LLM(model=str(directory), dtype=dtype, disable_log_stats=False, **args)
         config = llm.llm_engine.vllm_config
         kv_dtype = config.model_config.dtype
+        pp = config.parallel_config.pipeline_parallel_size
         return cls(
             llm=llm,
             directory=directory,
@@ -66,7 +96,11 @@ class VllmEngine:
                 kv_dtype if isinstance(kv_dtype, torch.dtype) else torch.float32
             ),
             block_size=config.cache_config.block_size,
-            speed=SpeedSettings.from_overrides(args.get("hf_overrides")),
+            # as the engine settled them (pipeline stages may keep stock blocks: support.py)
+            speed=SpeedSettings.from_hf_config(config.model_config.hf_config)
+            if SpeedSettings.from_overrides(args.get("hf_overrides"))
+            else None,
+            stages=[get_pp_indices(shape.num_layers, rank, pp) for rank in range(pp)],
         )
 
     def close(self) -> None:
@@ -139,14 +173,17 @@ class VllmEngine:
         return [prompt] * self.speed.lcut + [upper] * (layers - self.speed.lcut)
 
     def block_bytes(self, tokens: int, prompt: int) -> int:
-        """Bytes of the KV blocks vLLM's pool holds for a request of `tokens` tokens: the
-        lower layers' groups a block per `block_size` tokens, the upper layers' groups (SPEED)
-        one per `block_size` full-depth rows, every group as wide as vLLM makes it (padding
-        included)."""
+        """Bytes of the KV blocks vLLM's pool holds for a request of `tokens` tokens, over
+        every pipeline stage: the lower layers' groups a block per `block_size` tokens, the
+        upper layers' groups (SPEED) one per `block_size` full-depth rows, and a block costs
+        each stage as many layer slots as its largest group there (padding included).
+        Tensor-parallel ranks each hold their share of the heads; the sum is the same."""
         layers = self.shape.num_layers
-        width, lower, upper = self.speed.kv_groups(layers) if self.speed else (layers, 1, 0)
+        speed = self.speed or SpeedSettings(layers, 0, 0, compact_kv=False)
+        _, lower, upper = speed.kv_groups(layers)
         blocks = lower * math.ceil(tokens / self.block_size)
         if upper:
-            rows = full_depth_count(tokens, prompt, self.speed.anchors, self.speed.deep)
+            rows = full_depth_count(tokens, prompt, speed.anchors, speed.deep)
             blocks += upper * math.ceil(rows / self.block_size)
-        return blocks * self.block_size * width * self.kv_bytes_per_token_layer
+        slots = sum(speed.stage_slots(layers, self.stages))
+        return blocks * self.block_size * slots * self.kv_bytes_per_token_layer

@@ -1,9 +1,9 @@
 """The entry point vLLM calls in each of its processes (`vllm.general_plugins`).
 
 It registers the SPEED architectures under new names: stock Llama and Qwen2 stay as they are, and
-a user picks SPEED per model through `hf_overrides` (see `engine_args`); and it makes vLLM refuse
-requests SPEED cannot answer (`guards.py`). Idempotent: vLLM may call it more than once per
-process.
+a user picks SPEED per model through `hf_overrides` (see `engine_args`); it makes vLLM check a
+SPEED engine's configuration when it is built (`support.py`), and refuse requests SPEED cannot
+answer (`guards.py`). Idempotent: vLLM may call it more than once per process.
 """
 
 from __future__ import annotations
@@ -20,5 +20,7 @@ def register() -> None:
             # a "module:Class" string: vLLM imports it only where the model is built
             ModelRegistry.register_model(arch, f"speedkv.vllm.models:{arch}")
     from speedkv.vllm.guards import install_request_guard
+    from speedkv.vllm.support import install_config_hook
 
+    install_config_hook(list(ARCHITECTURES.values()))  # refuse what SPEED cannot run, at start
     install_request_guard()  # refuse what SPEED cannot answer (prompt logprobs)

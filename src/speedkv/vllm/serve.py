@@ -37,8 +37,20 @@ def serve_command(
         argv += ["--hf-overrides", json.dumps(args["hf_overrides"])]
     if args.get("enable_prefix_caching") is False:
         argv.append("--no-enable-prefix-caching")
-    if args.get("enforce_eager"):
-        argv.append("--enforce-eager")
+    if "compilation_config" in args:
+        argv += ["--compilation-config", json.dumps(args["compilation_config"])]
     if api_key:
         argv += ["--api-key", api_key]
     return argv + list(extra or [])
+
+
+def check_serve_command(argv: list[str]) -> None:
+    """Build the engine configuration `argv` (a `serve_command`) would start, here, so that
+    what SPEED cannot run is refused with one sentence before vLLM's server starts."""
+    from vllm.engine.arg_utils import AsyncEngineArgs
+    from vllm.entrypoints.launchers.cli_args import make_arg_parser
+    from vllm.utils.argparse_utils import FlexibleArgumentParser
+
+    module = argv.index("-m") + 2  # the server's own arguments follow its module name
+    args = make_arg_parser(FlexibleArgumentParser()).parse_args(argv[module:])
+    AsyncEngineArgs.from_cli_args(args).create_engine_config()

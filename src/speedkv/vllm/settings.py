@@ -45,10 +45,38 @@ class SpeedSettings:
             size = max(lower, upper)
         return size, -(-lower // size), -(-upper // size)
 
-    def padded_layers(self, layers: int) -> int:
-        """Layer slots vLLM's grouping pads (memory reserved for no layer)."""
-        size, lower, upper = self.kv_groups(layers)
-        return size * (lower + upper) - layers if upper else 0
+    def group_layers(self, layers: int) -> list[list[int]]:
+        """The layers of each KV cache group, lower groups first, as vLLM 0.32 makes them: a
+        kind's layers are dealt round-robin (group i holds layers i, i + n, ...), so every
+        pipeline stage gets a share of every group."""
+        _, lower_groups, upper_groups = self.kv_groups(layers)
+        if not upper_groups:
+            return [list(range(layers))]
+        lower, upper = list(range(self.lcut)), list(range(self.lcut, layers))
+        kinds = [(lower, lower_groups), (upper, upper_groups)]
+        return [kind[i::n] for kind, n in kinds for i in range(n)]
+
+    def stage_slots(self, layers: int, stages: list[tuple[int, int]]) -> list[int]:
+        """Layer slots one block of the shared pool costs on each pipeline stage (the layers
+        `[start, end)` of each): vLLM sizes a stage's block by its largest group there, and
+        every group's blocks come from that one pool."""
+        groups = self.group_layers(layers)
+        return [max(sum(start <= i < end for i in g) for g in groups) for start, end in stages]
+
+    def compact_pays(self, layers: int, stages: list[tuple[int, int]]) -> bool:
+        """Whether the upper layers' own blocks make a long request's KV smaller than stock
+        blocks on these pipeline stages. A long prompt takes a block per `block_size` tokens
+        in each lower group, each costing every stage its largest group there; stock blocks
+        cost `layers` slots. With several stages that can cost more than it saves."""
+        if not self.compact_kv or self.lcut in (0, layers):
+            return False
+        _, lower_groups, _ = self.kv_groups(layers)
+        return lower_groups * sum(self.stage_slots(layers, stages)) < layers
+
+    def padded_layers(self, layers: int, stages: list[tuple[int, int]] | None = None) -> int:
+        """Layer slots vLLM's grouping pads (memory reserved for no layer), over all stages."""
+        stages = stages or [(0, layers)]
+        return sum(self.stage_slots(layers, stages)) * len(self.group_layers(layers)) - layers
 
     @classmethod
     def from_overrides(cls, overrides: dict[str, Any] | None) -> SpeedSettings | None:
@@ -75,6 +103,14 @@ class SpeedSettings:
             int(config.speedkv_deep),
             bool(getattr(config, "speedkv_compact_kv", True)),
         )
+
+
+def rank_split(lcut: int, start: int, end: int) -> tuple[range, range]:
+    """The layers `[start, end)` of one pipeline rank, split at the cut: the lower ones run
+    every row of a step, the upper ones the full-depth rows. A rank wholly below the cut has
+    no upper layers, one wholly above it no lower layers."""
+    split = min(max(lcut, start), end)
+    return range(start, split), range(split, end)
 
 
 def padding_free_lcut(layers: int, target: float = 0.75) -> int:
