@@ -461,15 +461,19 @@ def main(argv: list[str] | None = None) -> None:
 
     runs = sorted((r for r in runs if key(r) in order), key=lambda r: order[key(r)])
     gains = speedups(runs)
+    from speedkv.bench.machine import machine_facts
+    from speedkv.bench.report import machine_sentence
+
     result = {
         "settings": settings,
         "command": " ".join([Path(sys.argv[0]).name, *sys.argv[1:]]),
         "cpu_count": os.cpu_count(),
+        "machine": machine_facts(),
         "runs": runs,
         "batching_speedup": gains,
     }
     (args.out / "results.json").write_text(json.dumps(result, indent=2))
-    table = markdown(runs, gains)
+    table = markdown(runs, gains) + f"\n{machine_sentence(result)}\n"
     (args.out / "table.md").write_text(table)
     print(json.dumps(result, indent=2) if args.json else table)
     failed = sum(r["errors"] + r["clients"] - r["complete"] for r in runs)
