@@ -242,7 +242,7 @@ class Engine:
         """
         bb = self.backbone
         h = bb.embed(torch.tensor(tokens, device=self.device))[:, None, :]  # [B, 1, H]
-        cos, sin = bb.rope(torch.tensor(positions, device=self.device))
+        cos, sin = bb.rope(torch.tensor(positions, device=self.device), bound=max(positions) + 1)
         cos, sin = cos[:, None, None, :], sin[:, None, None, :]
         plans = [decode_plan(p, self.depth) for p in policies]
         sources = {ki[0] for plan in plans for _, ki, _ in plan if ki is not None}

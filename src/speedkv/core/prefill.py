@@ -77,7 +77,7 @@ class PrefillRun:
         self.saved: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
         self.layers: list[LayerKV] = []
         self.rows: list[int] = []
-        self.pairs: list[int] = []
+        self.pairs: list[int | torch.Tensor] = []
 
     def run(self, prompt: PromptInfo, next_position: int) -> Prefill:
         policy, bb = self.policy, self.bb
@@ -85,6 +85,7 @@ class PrefillRun:
             src for layer in range(self.depth) if (ki := policy.kv_input(layer)) for src in ki[:1]
         }
         h, pos = bb.embed(prompt.ids), prompt.positions
+        self.bound = next_position  # above every prompt position: rope tables need no read-back
         for layer in range(self.depth):
             selected = policy.computed(layer, Stream(h, pos))
             if selected is not None and not bool(selected.all()):
@@ -98,8 +99,15 @@ class PrefillRun:
         hidden = bb.final_norm(h[-1:])
         logits = bb.logits(hidden)[0]
         return Prefill(
-            KVCache(self.layers), logits, hidden[0], next_position, self.rows, self.pairs
+            KVCache(self.layers), logits, hidden[0], next_position, self.rows, self._pairs()
         )
+
+    def _pairs(self) -> list[int]:
+        """Pairs attended per layer. Masked layers counted theirs on the device; they are read
+        back once here, not once per chunk (each read waits for a GPU)."""
+        counted = [p for p in self.pairs if isinstance(p, torch.Tensor)]
+        values = iter(torch.stack(counted).tolist() if counted else [])
+        return [int(next(values)) if isinstance(p, torch.Tensor) else p for p in self.pairs]
 
     def _layer(self, layer: int, h: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
         bb, policy, shape = self.bb, self.policy, self.shape
@@ -121,7 +129,7 @@ class PrefillRun:
         kv_input = policy.kv_input(layer)
         window = policy.query_window(layer)
         rows = h.shape[0]
-        cos, sin = bb.rope(pos)
+        cos, sin = bb.rope(pos, bound=self.bound)
         q_all = h.new_empty((shape.num_heads, rows, shape.head_dim))
         for start, end in self._chunks(rows):  # projections, chunk by chunk
             c, s = cos[start:end], sin[start:end]
@@ -157,8 +165,9 @@ class PrefillRun:
 
     def _attend(
         self, layer: int, q: torch.Tensor, pos: torch.Tensor, kv: LayerKV, aligned: bool
-    ) -> tuple[torch.Tensor, int]:
-        """Attention of every computed row; returns the output and the pairs attended.
+    ) -> tuple[torch.Tensor, int | torch.Tensor]:
+        """Attention of every computed row; returns the output and the pairs attended (a count
+        still on the device where a mask was summed).
 
         When the layer holds exactly the computed rows in order and the policy adds no
         visibility rule, one causal call covers the whole layer: the fused kernel works
@@ -170,7 +179,7 @@ class PrefillRun:
         has_rule = self.policy.visible(layer, pos[:1], kv.positions()[0]) is not None
         if aligned and not has_rule:
             return prefill_attention(q, kv.keys(), kv.values()), rows * (rows + 1) // 2
-        out, attended = torch.empty_like(q), 0
+        out, attended = torch.empty_like(q), torch.zeros((), dtype=torch.long, device=q.device)
         k_pos = kv.positions()[0]
         for start, end in self._chunks(rows):
             mask = k_pos[None, :] <= pos[start:end, None]
@@ -178,7 +187,7 @@ class PrefillRun:
             if visible is not None:
                 mask &= visible
             out[:, start:end] = prefill_attention(q[:, start:end], kv.keys(), kv.values(), mask)
-            attended += int(mask.sum())
+            attended += mask.sum()
         return out, attended
 
     def _chunks(self, rows: int):
@@ -193,7 +202,7 @@ class PrefillRun:
         for gone in self.exits:
             for start in range(0, gone.pos.numel(), self.chunk):
                 end = min(start + self.chunk, gone.pos.numel())
-                cos, sin = self.bb.rope(gone.pos[start:end])
+                cos, sin = self.bb.rope(gone.pos[start:end], bound=self.bound)
                 x = self.bb.input_norm(norm, gone.h[start:end])
                 k, v = self.bb.kv(layer, x, cos, sin)
                 yield k, v, gone.pos[start:end]

@@ -223,14 +223,21 @@ class Backbone:
     def embed(self, ids: torch.Tensor) -> torch.Tensor:
         return self._embed(ids)
 
-    def rope(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """cos, sin for the given absolute positions ([n] -> [n, head_dim] each).
+    def rope(
+        self, positions: torch.Tensor, bound: int | None = None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos, sin for the given absolute positions ([n] -> [n, head_dim] each); `bound`, if
+        the caller knows one, is above every position (reading the largest back from a GPU
+        would wait for it).
 
         The table is computed by the model's own rotary module (so rope scaling variants come
         out as HF has them) once for the whole context, and extended if generation runs past
         it, as HF's generate allows.
         """
-        needed = int(positions.max()) + 1 if positions.numel() else 1
+        if bound is not None:
+            needed = bound
+        else:
+            needed = int(positions.max()) + 1 if positions.numel() else 1
         table = self._rope_table
         if table is None or table[0].dtype != self.dtype or table[0].shape[0] < needed:
             size = max(self.shape.max_positions, 2 * needed if table is not None else needed)

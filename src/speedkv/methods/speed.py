@@ -152,7 +152,7 @@ class Speed(Policy):
         self.deep = self.rule.deep_tokens(prompt.header_tokens, prompt.turn_tokens)
 
     def computed(self, layer: int, stream: Stream) -> torch.Tensor | None:
-        if layer < self.lcut:
+        if layer != self.lcut:  # above the cut the stream holds only full-depth rows already
             return None
         return self.rule.full_depth(stream.pos, self.prompt_len, self.deep)
 
