@@ -7,7 +7,7 @@ PY     := $(VENV)/bin/python
 PIP    := $(PY) -m pip
 STAMP  := $(VENV)/.speedkv-installed
 
-.PHONY: install demo test lint clean bench bench-qwen
+.PHONY: install demo test lint clean bench bench-qwen gpu-check gpu-wheels
 
 install: $(STAMP)
 
@@ -284,3 +284,15 @@ eval-qwen-adapter: qwen
 	$(VENV)/bin/speedkv eval --model $(QWEN) --adapter $(QWEN_ADAPTER) --dtype bfloat16 --seed 0 \
 		--methods "full;speed:lcut=18,anchors=sink:4" --tasks sanity --split calib --samples sanity=16 \
 		--out runs/eval-qwen/adapter-sanity-calib --resume
+
+# The GPU check (docs/gpu.md): the engine's reference tests on the GPU, then full against
+# SPEED-24 at Llama-3.1-8B's shape with random weights, 16K-128K tokens. It runs from the source
+# tree with the machine's own torch and transformers; a lent GPU machine reaches no package
+# index, so `make gpu-wheels` (here) puts pytest's wheels in .gpu-wheels to carry along.
+GPU_OUT ?= runs/gpu
+gpu-check:
+	python3 benchmarks/gpu.py --out $(GPU_OUT) --wheels .gpu-wheels
+
+gpu-wheels: install
+	$(PIP) download --quiet --disable-pip-version-check --no-deps --only-binary=:all: \
+		-d .gpu-wheels pytest==9.2.0 pluggy==1.7.0 iniconfig==2.3.1 packaging==26.4

@@ -30,7 +30,21 @@ TINY = dict(
 )
 
 
-def tiny_model(family: str, seed: int = 0) -> LoadedModel:
+def pytest_addoption(parser) -> None:
+    parser.addoption(
+        "--device",
+        default="cpu",
+        help="torch device the tiny models run on (cpu, cuda): the engine's reference tests on "
+        "a GPU are these same tests with --device cuda (benchmarks/gpu.py runs them)",
+    )
+
+
+@pytest.fixture(scope="session")
+def device(request) -> torch.device:
+    return torch.device(request.config.getoption("--device"))
+
+
+def tiny_model(family: str, seed: int = 0, device: torch.device | str = "cpu") -> LoadedModel:
     torch.manual_seed(seed)
     if family == "llama":
         hf = LlamaForCausalLM(LlamaConfig(**TINY))
@@ -41,17 +55,19 @@ def tiny_model(family: str, seed: int = 0) -> LoadedModel:
     with torch.no_grad():
         for p in hf.parameters():
             p.mul_(3.0)
-    return LoadedModel(name=f"tiny-{family}", hf_model=hf, tokenizer=None, source="memory")
+    return LoadedModel(name=f"tiny-{family}", hf_model=hf.to(device), tokenizer=None,
+                       source="memory")  # fmt: skip
 
 
 @pytest.fixture(scope="session", params=["llama", "qwen2"])
-def tiny(request) -> Iterator[LoadedModel]:
-    model = tiny_model(request.param)
+def tiny(request, device) -> Iterator[LoadedModel]:
+    model = tiny_model(request.param, device=device)
     yield model
     # every test shares this instance: one that changed its weights or dtype (instead of
     # building its own model) would have skewed every test after it
     fresh = tiny_model(request.param).hf_model.state_dict()
     for key, value in model.hf_model.state_dict().items():
+        value = value.cpu()
         unchanged = value.dtype == fresh[key].dtype and torch.equal(value, fresh[key])
         assert unchanged, f"a test changed the shared tiny-{request.param} model ({key})"
 

@@ -6,7 +6,6 @@ import sys
 
 import torch
 
-from speedkv.cli import app as cli
 from speedkv.core.engine import Engine
 from speedkv.core.policy import Policy
 from speedkv.core.registry import method_class
@@ -64,9 +63,10 @@ def check_equals_dense(engine: Engine, ids: list[int], spec: str, steps: int, at
 def hf_generate(hf_model, ids: list[int], new: int, **options) -> list[int]:
     """transformers' own greedy `generate` on one prompt: the new token ids (`options` are
     further `generate` arguments, e.g. min_new_tokens=new to ignore EOS)."""
+    device = next(hf_model.parameters()).device
     out = hf_model.generate(
-        torch.tensor([ids]),
-        attention_mask=torch.ones(1, len(ids), dtype=torch.long),
+        torch.tensor([ids], device=device),
+        attention_mask=torch.ones(1, len(ids), dtype=torch.long, device=device),
         max_new_tokens=new,
         do_sample=False,
         pad_token_id=0,
@@ -78,6 +78,8 @@ def hf_generate(hf_model, ids: list[int], new: int, **options) -> list[int]:
 def run_cli(args, monkeypatch, capsys, model=None):
     """Run `speedkv ARGS` in this process (with `model` instead of loading one, if given);
     return (exit code, stdout, stderr)."""
+    from speedkv.cli import app as cli
+
     if model is not None:
         monkeypatch.setattr("speedkv.hf.loading.load_model", lambda *a, **k: model)
     monkeypatch.setattr(sys, "argv", ["speedkv", *args])

@@ -1,0 +1,34 @@
+"""benchmarks/gpu.py, the GPU check, runs here at a tiny shape on the CPU, so the command a GPU
+machine gets cannot rot: the reference tests pass through it, every efficiency run completes,
+SPEED's KV bytes are exactly its layer limit, and the profile names operators."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def test_the_gpu_check_runs_tiny_on_the_cpu(tmp_path):
+    done = subprocess.run(
+        [sys.executable, str(ROOT / "benchmarks" / "gpu.py"), "--tiny", "--device", "cpu",
+         "--out", str(tmp_path)],
+        capture_output=True, text=True, timeout=600,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr[-3000:]
+    exact = json.loads((tmp_path / "exactness.json").read_text())["exactness"]
+    assert exact["failed"] == 0 and exact["passed"] > 300, exact
+    result = json.loads((tmp_path / "efficiency.json").read_text())
+    runs = result["runs"]
+    assert {r["method"] for r in runs} == {"full", "speed:lcut=3,anchors=bos", "hf"}
+    assert all(r["status"] == "ok" for r in runs)
+    for r in runs:
+        if r["method"].startswith("speed"):  # anchor + last prompt token in each upper layer
+            limit = result["layer_limits"][str(r["length"])]["kv"]
+            assert abs(r["kv_ratio"] - limit) < 1e-12
+        assert r["ttft_s"] > 0 and r["tpot_s"] > 0
+    profile = json.loads((tmp_path / "profile.json").read_text())
+    assert profile["full"]["decode"]["top"] and profile["full"]["prefill"]["top"]
