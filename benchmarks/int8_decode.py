@@ -12,7 +12,7 @@ import argparse
 import statistics
 
 from speedkv import Engine, Request, SamplingParams, load_model
-from speedkv.hf.int8 import quantize_int8
+from speedkv.hf.loading import quantize_int8
 from speedkv.prompts.builders import chat_document
 
 

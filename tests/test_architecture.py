@@ -36,3 +36,49 @@ def test_an_upward_import_breaks_the_layers(tmp_path):
     done = lint(tmp_path)
     assert done.returncode != 0
     assert "speedkv.core.cache -> speedkv.cli.app" in done.stdout
+
+
+def import_cycles(package_parent: Path) -> list[list[str]]:
+    """Every group of speedkv's modules that import each other round in a circle, counting
+    imports inside functions and under TYPE_CHECKING (grimp's graph)."""
+    code = """
+import grimp, json, sys
+graph = grimp.build_graph("speedkv")
+index, low, stack, on, cycles = {}, {}, [], set(), []
+sys.setrecursionlimit(10000)
+def visit(v):
+    index[v] = low[v] = len(index); stack.append(v); on.add(v)
+    for w in graph.find_modules_directly_imported_by(v):
+        if w not in index:
+            visit(w); low[v] = min(low[v], low[w])
+        elif w in on:
+            low[v] = min(low[v], index[w])
+    if low[v] == index[v]:
+        group = []
+        while True:
+            w = stack.pop(); on.discard(w); group.append(w)
+            if w == v: break
+        if len(group) > 1: cycles.append(sorted(group))
+for module in sorted(graph.modules):
+    if module not in index: visit(module)
+print(json.dumps(cycles))
+"""
+    env = {"PYTHONPATH": str(package_parent), "PATH": "/usr/bin:/bin"}
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env,
+                          cwd=package_parent, check=True)  # fmt: skip
+    import json
+
+    return json.loads(done.stdout)
+
+
+def test_no_module_imports_itself_round_a_circle():
+    assert import_cycles(ROOT / "src") == []
+
+
+def test_a_circle_inside_one_layer_is_caught(tmp_path):
+    shutil.copytree(ROOT / "src" / "speedkv", tmp_path / "speedkv",
+                    ignore=shutil.ignore_patterns("__pycache__"))  # fmt: skip
+    int8 = tmp_path / "speedkv" / "hf" / "int8.py"
+    int8.write_text(int8.read_text() + "\nfrom speedkv.hf.loading import LoadedModel  # noqa\n")
+    (cycle,) = import_cycles(tmp_path)
+    assert {"speedkv.hf.int8", "speedkv.hf.loading", "speedkv.hf.backbone"} <= set(cycle)

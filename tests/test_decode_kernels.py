@@ -126,13 +126,22 @@ def test_native_kernels_switch_off_and_fall_back_when_the_build_fails(monkeypatc
     assert build() is None
     monkeypatch.delenv(native.SWITCH)
     monkeypatch.setenv("SPEEDKV_CACHE", str(tmp_path))  # nothing built there yet
+    monkeypatch.setattr(native, "_reported", set())
+    attempts = []
 
-    def broken(_):
+    def broken(name, source, build_dir):
+        attempts.append(name)
         raise OSError("c++: command not found")
 
     monkeypatch.setattr(native, "_compile", broken)
-    with pytest.warns(RuntimeWarning, match="could not be built.*command not found"):
+    with pytest.warns(RuntimeWarning, match="not available.*command not found"):
         assert build() is None
+    assert sorted(attempts) == sorted(native.KERNELS)
+    # the failures are recorded: a later process does not try again
+    monkeypatch.setattr(native, "_reported", set())
+    with pytest.warns(RuntimeWarning, match="recorded in"):
+        assert build() is None
+    assert len(attempts) == len(native.KERNELS)
 
 
 def batch_tokens(engine: Engine, prompts: list, specs: list[str], new_tokens: int) -> list:

@@ -12,7 +12,8 @@ from speedkv.core.engine import Engine, Request
 from speedkv.core.registry import make_policy
 from speedkv.core.sampling import SamplingParams
 from speedkv.errors import UserError
-from speedkv.hf.int8 import KERNEL_MAX_ROWS, Int8Linear, quantize_int8, with_weights
+from speedkv.hf.int8 import KERNEL_MAX_ROWS, Int8Linear
+from speedkv.hf.loading import quantize_int8, with_weights
 
 from conftest import random_prompt, tiny_model
 from helpers import greedy_with_logits, hf_generate, run_cli

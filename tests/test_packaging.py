@@ -19,7 +19,7 @@ def test_installed_package_has_py_typed():
 def test_installed_package_has_the_native_kernel_sources():
     from speedkv.core.native import HEADERS, KERNELS
 
-    for name in KERNELS + HEADERS:
+    for name in [*(f"{kernel}.cpp" for kernel in KERNELS), *HEADERS]:
         assert files("speedkv").joinpath(f"core/csrc/{name}").is_file(), name
 
 
@@ -43,4 +43,5 @@ def test_wheel_ships_py_typed_and_the_kernel_source(tmp_path):
     assert "speedkv/py.typed" in names
     from speedkv.core.native import HEADERS, KERNELS
 
-    assert {f"speedkv/core/csrc/{name}" for name in KERNELS + HEADERS} <= set(names)
+    sources = [*(f"{kernel}.cpp" for kernel in KERNELS), *HEADERS]
+    assert {f"speedkv/core/csrc/{name}" for name in sources} <= set(names)

@@ -38,8 +38,7 @@ def load(
     """The model, with a LoRA adapter merged into it when one is given, then its linear
     weights quantized when `weights` asks for it; with `prepack`, decode runs on a copy of the
     weights prepacked for oneDNN."""
-    from speedkv.hf.int8 import with_weights
-    from speedkv.hf.loading import load_model
+    from speedkv.hf.loading import load_model, with_weights
 
     log(f"loading {model}" + ("" if weights == "native" else f" ({weights} weights)"))
     loaded = load_model(model, dtype=dtype, device=device)

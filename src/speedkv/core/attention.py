@@ -14,6 +14,8 @@ or plain matrix products over long caches on a CPU, which read the cache faster.
 
 from __future__ import annotations
 
+import functools
+
 import torch
 import torch.nn.functional as F
 from torch.nn.attention.bias import causal_lower_right
@@ -65,8 +67,8 @@ def batch_decode_attention(
     q: [B, Hq, 1, D]; keys[b], values[b]: [Hkv, n_b, D], any lengths, rows contiguous (views
     into a cache buffer are fine). Returns [B, Hq, 1, D].
     """
-    ops = native_ops() if _native_fits(q, keys) else None
-    if ops is not None:
+    ops = native_ops() if q.device.type == "cpu" else None
+    if _native_fits(q, keys, values, ops):
         batch, heads, _, dim = q.shape
         flat = q.reshape(batch, heads, dim).contiguous()
         return ops.decode_attention(flat, keys, values, dim**-0.5).view(q.shape)
@@ -74,16 +76,31 @@ def batch_decode_attention(
     return outs[0][None] if len(outs) == 1 else torch.stack(outs)
 
 
-def _native_fits(q: torch.Tensor, keys: list[torch.Tensor]) -> bool:
-    """Whether the native kernel takes this batch: CPU, one KV-head count for all, a head
-    size its register tiles cover, and cache rows contiguous."""
-    heads = keys[0].shape[0]
+def _native_fits(q: torch.Tensor, keys: list[torch.Tensor], values: list[torch.Tensor],
+                 ops) -> bool:  # fmt: skip
+    """Whether the native kernel takes this batch: it was built here, one KV-head count for
+    all, a head size its register tiles cover (2 to 16 vectors of this CPU's lanes), values
+    laid out as their keys, cache rows contiguous. Anything else goes to torch's kernels."""
+    if ops is None or not hasattr(ops, "decode_attention"):
+        return False
+    heads, dim = keys[0].shape[0], q.shape[-1]
+    lanes = _lanes(ops)
     return (
-        q.device.type == "cpu"
-        and q.shape[-1] in (32, 64, 128)
+        dim % lanes == 0
+        and dim // lanes in (2, 4, 8, 16)
         and q.dtype in (torch.float32, torch.bfloat16, torch.float16)
-        and all(k.shape[0] == heads and k.stride(-1) == 1 and k.dtype == q.dtype for k in keys)
-    )
+        and all(
+            k.shape[0] == heads and k.stride(-1) == 1 and k.dtype == q.dtype
+            and v.shape == k.shape and v.stride() == k.stride() and v.dtype == q.dtype
+            for k, v in zip(keys, values)
+        )
+    )  # fmt: skip
+
+
+@functools.cache
+def _lanes(ops) -> int:
+    """Float lanes of the native decode kernel's vectors (16 AVX512, 8 AVX2, 4 NEON)."""
+    return int(ops.decode_attention_lanes())
 
 
 def decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:

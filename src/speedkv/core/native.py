@@ -1,23 +1,39 @@
 """The engine's own C++ kernels (csrc/), compiled for this machine on first use.
 
-torch.utils.cpp_extension builds them with the system's C++ compiler and ninja into
-`$SPEEDKV_CACHE/kernels/` once (about half a minute); later processes load the built library
-in well under a second. The build is keyed by the source, torch's version and the CPU's
-instruction sets, since it is compiled with `-march=native`.
+torch.utils.cpp_extension builds each kernel source with the system's C++ compiler and ninja
+into its own library under `$SPEEDKV_CACHE/kernels/<machine>/<kernel>-<source>/`, once (about
+half a minute each); later processes load the built libraries in milliseconds.
+
+- **The key.** Libraries are compiled with `-march=native`, so the machine part of the path
+  comes from what the compiler itself says it will target here (its predefined instruction-set
+  macros) and its version, with torch's version: a cache shared between machines never hands
+  one a library built for another's instructions.
+- **One kernel, one library.** A kernel that fails to compile is recorded as failed in its own
+  directory (not retried by every process) and reported once; the others are used.
+- **A lock a dead process cannot hold.** Builders take an exclusive `flock` on the kernel's
+  directory, which the system releases when its holder dies; a stale lock file left by
+  torch's own builder (a build killed halfway) is removed under it. A process that waits longer
+  than `SPEEDKV_KERNEL_LOCK_TIMEOUT` seconds (600) for another's build uses torch's kernels.
 
 Without a compiler, or with `SPEEDKV_KERNELS=torch`, the engine keeps torch's own kernels:
 the same results within rounding, slower. CUDA tensors always take torch's kernels. The
-bfloat16 prefill kernel exists only where the CPU has AVX512-BF16 (`has_prefill_kernel`).
+bfloat16 kernels (prefill attention, the decode linear layer) exist only where the CPU has
+AVX512-BF16: elsewhere their libraries build without them.
 """
 
 from __future__ import annotations
 
 import contextlib
+import fcntl
 import functools
 import hashlib
 import os
 import platform
+import re
+import subprocess
+import time
 import warnings
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import torch
@@ -25,11 +41,37 @@ import torch
 from speedkv.hf.loading import cache_dir
 from speedkv.log import log
 
-KERNELS = ("decode_attention.cpp", "decode_linear.cpp", "layer_ops.cpp", "prefill_attention.cpp")
+CSRC = Path(__file__).parent / "csrc"
+# each source, and the operators it may register in torch.ops.speedkv
+KERNELS = {
+    "decode_attention": ("decode_attention", "decode_attention_lanes"),
+    "decode_linear": ("pack_linear_weight", "packed_linear"),
+    "layer_ops": ("rms_norm", "add_rms_norm", "silu_mul", "rotary_split"),
+    "prefill_attention": ("causal_attention",),
+}
 HEADERS = ("bf16_pairs.h",)
-SOURCES = [Path(__file__).parent / "csrc" / name for name in KERNELS]
 SWITCH = "SPEEDKV_KERNELS"  # "torch" turns the native kernels off
+LOCK_TIMEOUT = "SPEEDKV_KERNEL_LOCK_TIMEOUT"
 FLAGS = ["-O3", "-march=native", "-fopenmp"]
+# the compiler macros that say which instructions -march=native may use
+ISA_MACRO = re.compile(r"#define (__(?:AVX|AMX|SSE|FMA|F16C|BMI|ARM_FEATURE|ARM_NEON|ARM_ARCH"
+                       r"|aarch64|x86_64|SVE|riscv)\w*) ?(.*)")  # fmt: skip
+
+
+class NativeKernels:
+    """The native operators this process loaded, as attributes (a kernel whose library is
+    unavailable here has none: test with `hasattr`)."""
+
+    def __init__(self, operators: dict[str, Callable]):
+        self.__dict__.update(operators)
+        self.names = tuple(sorted(operators))
+
+    def __repr__(self) -> str:
+        return f"NativeKernels({', '.join(self.names)})"
+
+
+class KernelUnavailable(RuntimeError):
+    """A kernel that cannot be used here, and why."""
 
 
 def native_enabled() -> bool:
@@ -38,23 +80,27 @@ def native_enabled() -> bool:
 
 
 @functools.cache
-def native_ops():
-    """torch.ops.speedkv with the native kernels registered, or None when they are switched
-    off or cannot be built here (the reason is warned about once)."""
+def native_ops() -> NativeKernels | None:
+    """The native kernels that could be built (or were) for this machine, or None when they
+    are switched off or none could be; each one that could not is reported once."""
     if not native_enabled():
         return None
     try:
-        _compile(cache_dir() / "kernels" / _build_key())
-    except Exception as error:  # noqa: BLE001 - any build failure means: use torch's kernels
-        warnings.warn(
-            f"speedkv's native CPU kernels could not be built ({type(error).__name__}: "
-            f"{str(error).strip().splitlines()[-1] if str(error).strip() else error!r}); "
-            f"using torch's kernels. Set {SWITCH}=torch to skip the attempt.",
-            RuntimeWarning,
-            stacklevel=2,
-        )
+        root = kernels_root()
+    except KernelUnavailable as why:
+        _report("every kernel", why)
         return None
-    return torch.ops.speedkv
+    operators = {}
+    for name in KERNELS:
+        try:
+            load_kernel(root, name)
+        except KernelUnavailable as why:
+            _report(name, why)
+            continue
+        for op in KERNELS[name]:
+            if hasattr(torch.ops.speedkv, op):  # bf16 kernels register nothing without bf16
+                operators[op] = getattr(torch.ops.speedkv, op)
+    return NativeKernels(operators) if operators else None
 
 
 def has_prefill_kernel(ops) -> bool:
@@ -68,25 +114,132 @@ def has_linear_kernel(ops) -> bool:
     return ops is not None and hasattr(ops, "packed_linear")
 
 
-def _compile(build: Path) -> None:
-    """Build the library into `build` unless it is there, and load it. torch's builder holds
-    a lock in the directory, so processes starting together build it once; when it is built,
-    this only loads it (about 30 ms)."""
+def kernels_root() -> Path:
+    """This machine's directory of built kernels: the compiler's target and version, torch's
+    version and the flags name it."""
+    version, isa = compiler_target()
+    digest = hashlib.sha256()
+    for part in (version, *isa, *FLAGS, torch.__version__, platform.machine()):
+        digest.update(part.encode() + b"\0")
+    return cache_dir() / "kernels" / digest.hexdigest()[:16]
+
+
+@functools.cache
+def compiler_target() -> tuple[str, tuple[str, ...]]:
+    """The C++ compiler's version line and the instruction-set macros it predefines for
+    `-march=native` here (`__AVX512BF16__ 1`, `__ARM_NEON 1`, ...)."""
+    compiler = os.environ.get("CXX", "c++")
+    try:
+        version = _run([compiler, "--version"]).splitlines()[0]
+        macros = _run([compiler, *FLAGS[1:2], "-dM", "-E", "-x", "c++", os.devnull])
+    except (OSError, subprocess.CalledProcessError) as error:
+        raise KernelUnavailable(f"no working C++ compiler ({compiler}): {error}") from None
+    found = (ISA_MACRO.match(line) for line in macros.splitlines())
+    return version, tuple(sorted(f"{m[1]} {m[2]}".strip() for m in found if m))
+
+
+def load_kernel(root: Path, name: str, source_dir: Path = CSRC) -> Path:
+    """Load kernel `name`'s library, building it first if this machine has none yet; raise
+    KernelUnavailable if it cannot be built (recorded, so later processes do not retry)."""
+    build = root / f"{name}-{_source_key(name, source_dir)}"
+    library = build / f"speedkv_{name}.so"
+    if library.is_file():
+        torch.ops.load_library(str(library))
+        return library
+    failed = build / "FAILED"
+    if failed.is_file():
+        raise KernelUnavailable(failed.read_text().strip() + f" (recorded in {failed})")
+    build.mkdir(parents=True, exist_ok=True)
+    timeout = float(os.environ.get(LOCK_TIMEOUT, "600"))
+    with _exclusive(build / "build.lock", timeout) as held:
+        if not held:
+            raise KernelUnavailable(f"another process has been building it for {timeout:.0f} s")
+        if not library.is_file():  # another process may have built it while this one waited
+            (build / "lock").unlink(missing_ok=True)  # torch's, left by a build killed halfway
+            log(f"compiling speedkv's {name} kernel into {build} (once for this machine)")
+            try:
+                _compile(name, source_dir / f"{name}.cpp", build)
+            except Exception as error:  # noqa: BLE001 - any build failure: use torch's kernel
+                summary = _last_line(error)
+                failed.write_text(summary + "\n")
+                raise KernelUnavailable(summary) from None
+    torch.ops.load_library(str(library))
+    return library
+
+
+def kernel_status(root: Path | None = None) -> dict[str, str]:
+    """Each kernel's state on this machine: built, failed (and why), or not built yet."""
+    root = root or kernels_root()
+    status = {}
+    for name in KERNELS:
+        build = root / f"{name}-{_source_key(name, CSRC)}"
+        if (build / f"speedkv_{name}.so").is_file():
+            status[name] = "built"
+        elif (build / "FAILED").is_file():
+            status[name] = "failed: " + (build / "FAILED").read_text().strip()
+        else:
+            status[name] = "not built"
+    return status
+
+
+def _compile(name: str, source: Path, build: Path) -> None:
     from torch.utils.cpp_extension import load
 
-    if not (build / "speedkv_kernels.so").is_file():
-        build.mkdir(parents=True, exist_ok=True)
-        log(f"compiling speedkv's CPU kernels into {build} (once for this machine)")
     with _ninja_on_path():
         load(
-            name="speedkv_kernels",
-            sources=[str(s) for s in SOURCES],
+            name=f"speedkv_{name}",
+            sources=[str(source)],
             build_directory=str(build),
             extra_cflags=FLAGS,
             extra_ldflags=["-fopenmp"],  # resolves to the libgomp torch already loaded
             is_python_module=False,
             verbose=False,
         )
+
+
+def _source_key(name: str, source_dir: Path) -> str:
+    digest = hashlib.sha256((source_dir / f"{name}.cpp").read_bytes())
+    for header in HEADERS:
+        if (source_dir / header).is_file():
+            digest.update((source_dir / header).read_bytes())
+    return digest.hexdigest()[:10]
+
+
+@contextlib.contextmanager
+def _exclusive(path: Path, timeout: float) -> Iterator[bool]:
+    """An exclusive flock on `path` (True), or False after `timeout` seconds of waiting. The
+    system drops the lock when its holder exits, however it exits."""
+    with path.open("a") as handle:
+        deadline = time.monotonic() + timeout
+        while True:
+            try:
+                fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                break
+            except BlockingIOError:
+                if time.monotonic() > deadline:
+                    yield False
+                    return
+                time.sleep(0.5)
+        try:
+            yield True
+        finally:
+            fcntl.flock(handle, fcntl.LOCK_UN)
+
+
+_reported: set[str] = set()
+
+
+def _report(name: str, why: KernelUnavailable) -> None:
+    """Warn once per process and kernel."""
+    if name in _reported:
+        return
+    _reported.add(name)
+    warnings.warn(
+        f"speedkv's native {name} kernel is not available ({why}); using torch's kernels. "
+        f"Set {SWITCH}=torch to skip the native kernels.",
+        RuntimeWarning,
+        stacklevel=3,
+    )
 
 
 @contextlib.contextmanager
@@ -106,22 +259,10 @@ def _ninja_on_path():
         os.environ["PATH"] = saved
 
 
-def _build_key() -> str:
-    digest = hashlib.sha256()
-    for source in [*SOURCES, *(Path(__file__).parent / "csrc" / h for h in HEADERS)]:
-        digest.update(source.read_bytes())
-    digest.update(" ".join(FLAGS).encode())
-    digest.update(torch.__version__.encode())
-    digest.update(platform.machine().encode())
-    digest.update(_cpu_flags().encode())
-    return digest.hexdigest()[:16]
+def _run(command: list[str]) -> str:
+    return subprocess.run(command, capture_output=True, text=True, check=True).stdout
 
 
-def _cpu_flags() -> str:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("flags"):
-                return line
-    except OSError:
-        pass
-    return platform.processor()
+def _last_line(error: BaseException) -> str:
+    text = str(error).strip()
+    return f"{type(error).__name__}: {text.splitlines()[-1] if text else error!r}"

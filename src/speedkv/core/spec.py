@@ -8,12 +8,9 @@ import dataclasses
 import types
 import typing
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from speedkv.errors import UserError
-
-if TYPE_CHECKING:
-    from speedkv.core.policy import Policy
 
 
 # -- spec syntax -----------------------------------------------------------------------------
@@ -43,7 +40,7 @@ def split_spec(spec: str) -> tuple[str, dict[str, str]]:
     return name, options
 
 
-def parse_config(cls: type[Policy], options: dict[str, str]) -> Any:
+def parse_config(cls: type, options: dict[str, str]) -> Any:
     """Build a method's Config from string options, converting by the fields' types."""
     fields = {f.name: f for f in dataclasses.fields(cls.Config)}
     hints = typing.get_type_hints(cls.Config)

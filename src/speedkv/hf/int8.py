@@ -12,16 +12,12 @@ fast kernel for each shape. Off the CPU the dequantized path is always taken.
 from __future__ import annotations
 
 import copy
-from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from speedkv.errors import UserError
-
-if TYPE_CHECKING:  # loading -> backbone -> fused -> this module: LoadedModel at call time
-    from speedkv.hf.loading import LoadedModel
 
 WEIGHTS = ("native", "int8")  # how a loaded model may keep its linear weights
 # Rows up to which the int8 kernel beats dequantize + matmul (measured here: equal at 8).
@@ -76,13 +72,12 @@ def dequantize(rows: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> t
     return rows.to(dtype) * scale.to(dtype)[:, None]
 
 
-def quantize_int8(loaded: LoadedModel) -> LoadedModel:
-    """A new LoadedModel whose decoder linear layers and LM head hold int8 weights (`loaded`
-    is left as it was). The embedding and the norms stay as they were; a head tied to the
-    embedding gets an int8 copy of its own."""
-    from speedkv.hf.loading import LoadedModel
-
-    model = copy.deepcopy(loaded.hf_model)
+def quantize_model(model: nn.Module) -> nn.Module:
+    """A copy of `model` whose linear layers (decoder layers and LM head) hold int8 weights
+    (`model` is left as it was). The embedding and the norms stay as they were; a head tied to
+    the embedding gets an int8 copy of its own. `hf.loading.quantize_int8` does this to a
+    loaded model."""
+    model = copy.deepcopy(model)
     swaps = [
         (parent, child_name, child)
         for parent in model.modules()
@@ -93,18 +88,10 @@ def quantize_int8(loaded: LoadedModel) -> LoadedModel:
         raise UserError("this model has no linear layers to quantize")
     for parent, child_name, child in swaps:
         setattr(parent, child_name, Int8Linear(child))
-    model.eval().requires_grad_(False)
-    return LoadedModel(
-        name=f"{loaded.name}+int8", hf_model=model, tokenizer=loaded.tokenizer, source=loaded.source
-    )
+    return model.eval().requires_grad_(False)
 
 
 def check_weights(weights: str) -> str:
     if weights not in WEIGHTS:
         raise UserError(f"weights must be one of {', '.join(WEIGHTS)}, got '{weights}'")
     return weights
-
-
-def with_weights(loaded: LoadedModel, weights: str) -> LoadedModel:
-    """`loaded` as it is ('native'), or with int8 linear weights ('int8')."""
-    return quantize_int8(loaded) if check_weights(weights) == "int8" else loaded

@@ -74,15 +74,18 @@ def heads(x: torch.Tensor, head_dim: int) -> torch.Tensor:
     return x.unflatten(-1, (-1, head_dim)).transpose(-3, -2)
 
 
-def native_rows(h: torch.Tensor, ops: NativeOps) -> bool:
-    """Whether the native small operations take h: one token per sequence ([B, 1, H], a
-    decode step) or one sequence's rows ([n, H], a prefill chunk), in CPU memory as rows."""
+def native_rows(h: torch.Tensor, norm: torch.Tensor, ops: NativeOps) -> bool:
+    """Whether the native small operations take h: they were built here, one token per
+    sequence ([B, 1, H], a decode step) or one sequence's rows ([n, H], a prefill chunk), in
+    CPU memory as rows, with a norm weight of h's dtype. Anything else runs torch's."""
     one_token_each = h.dim() == 3 and h.shape[1] == 1
     return (
         ops is not None
+        and hasattr(ops, "rms_norm")
         and (one_token_each or h.dim() == 2)
         and h.device.type == "cpu"
         and h.is_contiguous()
+        and norm.dtype == h.dtype
     )
 
 
@@ -95,7 +98,7 @@ def before_attention(
     ops: NativeOps = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Post-rotary q [..., Hq, n, D] and k, v [..., Hkv, n, D] of the residual h [..., n, H]."""
-    if native_rows(h, ops):
+    if native_rows(h, weights.input_norm, ops):
         qkv = apply_linear(ops.rms_norm(h, weights.input_norm, dims.eps), weights.qkv)
         q_heads, kv_heads = (size // dims.head_dim for size in dims.qkv_sizes[:2])
         rows = qkv.view(-1, 1, qkv.shape[-1])  # one token a row, decode or prefill
@@ -118,7 +121,7 @@ def after_attention(
 ) -> torch.Tensor:
     """The residual leaving the layer, from the one entering it (h [..., n, H]) and the
     attention output o [..., Hq, n, D]."""
-    if native_rows(h, ops):
+    if native_rows(h, weights.post_norm, ops):
         attended = apply_linear(o.transpose(-3, -2).flatten(-2), weights.o)
         h, x = ops.add_rms_norm(h, attended, weights.post_norm, dims.eps)
         return h + apply_linear(ops.silu_mul(apply_linear(x, weights.gate_up)), weights.down)

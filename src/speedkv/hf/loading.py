@@ -26,6 +26,7 @@ import torch
 
 from speedkv.errors import UserError
 from speedkv.hf.backbone import SUPPORTED_MODEL_TYPES, Backbone, ModelShape, check_supported
+from speedkv.hf.int8 import check_weights, quantize_model
 from speedkv.hf.text import starts_with_bos
 from speedkv.log import log
 
@@ -330,3 +331,15 @@ def install_embedded(name: str) -> None:
 def _log(enabled: bool, message: str) -> None:
     if enabled:
         log(message)
+
+
+def quantize_int8(loaded: LoadedModel) -> LoadedModel:
+    """A new LoadedModel whose decoder linear layers and LM head hold int8 weights (`loaded`
+    is left as it was; see `hf.int8.quantize_model`)."""
+    return LoadedModel(name=f"{loaded.name}+int8", hf_model=quantize_model(loaded.hf_model),
+                       tokenizer=loaded.tokenizer, source=loaded.source)  # fmt: skip
+
+
+def with_weights(loaded: LoadedModel, weights: str) -> LoadedModel:
+    """`loaded` as it is ('native'), or with int8 linear weights ('int8')."""
+    return quantize_int8(loaded) if check_weights(weights) == "int8" else loaded

@@ -261,8 +261,14 @@ at::Tensor decode_attention(const at::Tensor& q, at::TensorList keys, at::Tensor
 
 }  // namespace
 
-TORCH_LIBRARY(speedkv, m) {
+// The float lanes of this build's vectors: head_dim must be 2, 4, 8 or 16 times it (16 with
+// AVX512, 8 with AVX2, 4 with NEON), which the engine checks before calling.
+int64_t decode_attention_lanes() { return kLanes; }
+
+// a fragment: every kernel is a library of its own, loaded or not on its own (core/native.py)
+TORCH_LIBRARY_FRAGMENT(speedkv, m) {
   m.def("decode_attention(Tensor q, Tensor[] keys, Tensor[] values, float scale) -> Tensor");
+  m.def("decode_attention_lanes() -> int", &decode_attention_lanes);
 }
 
 TORCH_LIBRARY_IMPL(speedkv, CPU, m) { m.impl("decode_attention", &decode_attention); }
