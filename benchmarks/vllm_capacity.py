@@ -107,6 +107,7 @@ def main(argv: list[str] | None = None) -> int:
     os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")  # the scheduler in reach
     os.environ.pop("VLLM_CPU_KVCACHE_SPACE", None)  # it would override the pool set here
     os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
+    from speedkv.bench.machine import machine_facts
     from speedkv.hf.loading import load_tokenizer, model_directory
     from speedkv.prompts.builders import exact_chat_prompt
 
@@ -128,7 +129,7 @@ def main(argv: list[str] | None = None) -> int:
         "command": " ".join([".venv-vllm/bin/python benchmarks/vllm_capacity.py", *sys.argv[1:]]),
         "model": args.model, "prompt_tokens": args.prompt_tokens, "requests": args.requests,
         "new_tokens": args.new_tokens, "dtype": args.dtype,
-        "pool_stock_blocks": args.pool_stock_blocks, "runs": runs,
+        "pool_stock_blocks": args.pool_stock_blocks, "machine": machine_facts(), "runs": runs,
     }  # fmt: skip
     text = json.dumps(record, indent=2)
     if args.out:

@@ -43,7 +43,7 @@ def import_cycles(package_parent: Path) -> list[list[str]]:
     imports inside functions and under TYPE_CHECKING (grimp's graph)."""
     code = """
 import grimp, json, sys
-graph = grimp.build_graph("speedkv")
+graph = grimp.build_graph("speedkv", cache_dir=None)
 index, low, stack, on, cycles = {}, {}, [], set(), []
 sys.setrecursionlimit(10000)
 def visit(v):

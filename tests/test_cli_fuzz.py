@@ -2,9 +2,10 @@
 the Typer app builds, gets odd values and odd files. Whatever it is given, the CLI ends with
 exit 0 or 2, never a traceback, and an error is one line "error: ...".
 
-No model loads: loading raises `ModelLoadReached`, which means every check made before loading
-passed (they are the ones that can see arguments and files; a model is never needed to reject
-them). Examples are derandomized, so a run is reproducible and bounded in time."""
+No model loads: loading (or timing the kernels, `tune`'s work) raises `ModelLoadReached`, which
+means every check made before loading passed (they are the ones that can see arguments and
+files; a model is never needed to reject them). Examples are derandomized, so a run is
+reproducible and bounded in time."""
 
 from __future__ import annotations
 
@@ -89,6 +90,7 @@ def invoke(args: list[str], place: Path) -> tuple[int, str]:
     with pytest.MonkeyPatch.context() as patch, torch.random.fork_rng():
         patch.setattr("speedkv.hf.loading.load_model", reached)
         patch.setattr("speedkv.hf.loading.install_embedded", reached)
+        patch.setattr("speedkv.core.tuning.measure", reached)  # timing kernels is the work too
         patch.setattr(cli, "app", APP.main)  # as built per call; building is most of a run
         patch.setattr(sys, "argv", ["speedkv", *args])
         patch.setattr(sys, "stdin", io.StringIO(""))

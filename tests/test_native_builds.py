@@ -108,12 +108,20 @@ def test_the_build_key_is_what_the_compiler_targets(monkeypatch):
 
 def test_without_a_compiler_the_kernels_are_unavailable(monkeypatch):
     monkeypatch.setenv("CXX", "/nonexistent/c++")
-    native.compiler_target.cache_clear()
-    try:
-        with pytest.raises(native.KernelUnavailable, match="no working C\\+\\+ compiler"):
-            native.kernels_root()
-    finally:
-        native.compiler_target.cache_clear()
+    with pytest.raises(native.KernelUnavailable, match="no working C\\+\\+ compiler"):
+        native.kernels_root()
+
+
+def test_the_target_flags_name_the_build(monkeypatch):
+    """A build for fewer instructions (the tests force one without AVX512-BF16) is a build of
+    its own, beside the native one."""
+    if not compiler_available():
+        pytest.skip("no C++ compiler here")
+    here = native.kernels_root()
+    monkeypatch.setenv(native.ARCH, "-march=x86-64-v2" if "x86" in native.compiler_target()[1][-1]
+                       else "-march=armv8-a")  # fmt: skip
+    assert native.kernels_root() != here
+    assert not any("AVX512" in macro for macro in native.compiler_target()[1])
 
 
 class NarrowVectors:
@@ -133,7 +141,7 @@ class NarrowVectors:
 @pytest.mark.parametrize(("dim", "native_runs"), [(64, True), (128, False), (48, False)])
 def test_head_sizes_the_vectors_cannot_tile_go_to_torch(monkeypatch, dim, native_runs):
     ops = NarrowVectors()
-    monkeypatch.setattr(attention, "native_ops", lambda: ops)
+    monkeypatch.setattr(attention, "engine_kernels", lambda: ops)
     keys = [torch.randn(2, 5, dim), torch.randn(2, 7, dim)]
     out = attention.batch_decode_attention(torch.randn(2, 4, 1, dim), keys, keys)
     assert out.shape == (2, 4, 1, dim) and (ops.calls == 1) == native_runs
@@ -141,7 +149,7 @@ def test_head_sizes_the_vectors_cannot_tile_go_to_torch(monkeypatch, dim, native
 
 def test_values_laid_out_unlike_their_keys_go_to_torch(monkeypatch):
     ops = NarrowVectors()
-    monkeypatch.setattr(attention, "native_ops", lambda: ops)
+    monkeypatch.setattr(attention, "engine_kernels", lambda: ops)
     keys = [torch.randn(2, 5, 32)]
     values = [torch.randn(2, 32, 5).transpose(1, 2)]  # columns, not rows
     attention.batch_decode_attention(torch.randn(1, 4, 1, 32), keys, values)

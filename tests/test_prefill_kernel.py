@@ -106,7 +106,7 @@ def test_prefill_attention_takes_the_native_kernel_only_for_bf16_causal(ops, mon
             calls.append(args[0].dtype)
             return ops.causal_attention(*args)
 
-    monkeypatch.setattr(attention, "native_ops", lambda: Counting())
+    monkeypatch.setattr(attention, "engine_kernels", lambda: Counting())
     q, k, v = bf16_inputs(9, 3, 20, 20, 64)
     attention.prefill_attention(q, k, v)
     assert calls == [torch.bfloat16]
@@ -166,7 +166,7 @@ def test_engine_prefill_on_the_native_kernel_is_as_close_to_float32_as_torchs(
 
     on_native = logits(model)
     reference_logits = logits(exact)
-    monkeypatch.setattr(attention, "native_ops", lambda: None)
+    monkeypatch.setattr(attention, "engine_kernels", lambda: None)
     on_torch = logits(model)
     for spec, got, theirs, truth in zip(specs, on_native, on_torch, reference_logits):
         error = (got - truth).abs().max().item()

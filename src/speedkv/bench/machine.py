@@ -1,37 +1,67 @@
-"""What a measurement ran on: CPU, threads, library versions."""
+"""What a measurement ran on: CPU, the instruction sets that matter, cores, memory, library
+versions, and the kernel chosen for each kind of work."""
 
 from __future__ import annotations
 
+import os
 import platform
+import re
 from pathlib import Path
 
 import torch
 
 # the instruction sets the kernels here (torch's, oneDNN's, speedkv's, vLLM's) choose between
-ISA_FLAGS = ("avx2", "avx512f", "avx512_bf16", "avx512_fp16", "amx_bf16", "amx_int8", "asimd",
-             "sve")  # fmt: skip
+ISA_FLAGS = ("avx2", "avx512f", "avx512_bf16", "avx512_fp16", "amx_bf16", "amx_int8", "amx_tile",
+             "asimd", "sve", "bf16", "i8mm")  # fmt: skip
 
 
 def machine_facts() -> dict:
-    cpu, flags = "unknown", set()
+    cpu, vendor, flags, memory_kib = platform.processor() or "unknown", "unknown", set(), 0
     try:
         for line in Path("/proc/cpuinfo").read_text().splitlines():
             key, _, value = line.partition(":")
-            if key.strip() == "model name" and cpu == "unknown":
+            if key.strip() == "model name" and cpu in ("unknown", platform.processor()):
                 cpu = value.strip()
+            elif key.strip() in ("vendor_id", "CPU implementer") and vendor == "unknown":
+                vendor = value.strip()
             elif key.strip() in ("flags", "Features") and not flags:
                 flags = set(value.split())
+        for line in Path("/proc/meminfo").read_text().splitlines():
+            if line.startswith("MemTotal:"):
+                memory_kib = int(line.split()[1])
     except OSError:
         pass
     import transformers
 
+    onednn = re.search(r"(?:oneDNN|MKL-DNN) v([\d.]+)", torch.__config__.show())
     return {
         "cpu": cpu,
+        "vendor": vendor,
         "isa": [f for f in ISA_FLAGS if f in flags],
+        "cores": len(os.sched_getaffinity(0)),
+        "memory_gib": round(memory_kib / 2**20, 1),
         "threads": torch.get_num_threads(),
         "python": platform.python_version(),
         "torch": torch.__version__,
+        "aten_capability": torch.backends.cpu.get_cpu_capability(),
+        "onednn": onednn[1] if onednn else None,
         "transformers": transformers.__version__,
         "cuda": torch.cuda.get_device_name() if torch.cuda.is_available() else None,
         "platform": platform.platform(),
+        "kernels": kernel_facts(),
     }
+
+
+def kernel_facts() -> dict:
+    """The compiler the native kernels build with, whether each is built, and the kernel
+    chosen for each kind of work here (measured once per machine: core/tuning.py)."""
+    from speedkv.core import native, tuning
+
+    try:
+        compiler = native.compiler_target()[0]
+        built = native.kernel_status()
+    except native.KernelUnavailable as why:
+        compiler, built = f"unavailable ({why})", {}
+    choice = tuning.kernel_choice()
+    return {"compiler": compiler, "built": built, "mode": tuning.mode(),
+            "choice": choice.lines(), "timings_ms": choice.timings}  # fmt: skip

@@ -11,7 +11,7 @@ from dataclasses import dataclass
 
 import torch
 
-from speedkv.core.native import native_ops
+from speedkv.core.tuning import engine_kernels
 from speedkv.hf import fused
 from speedkv.hf.loading import dtype_name
 
@@ -103,7 +103,7 @@ def measure_gemv(
     else:
         mats = [(torch.randn(rows, cols, device=device).to(dtype), None) for _ in range(count)]
         if prepacked and fused.can_prepack(mats[0]):
-            ops = native_ops() if device.type == "cpu" else None
+            ops = engine_kernels() if device.type == "cpu" else None
             mats = [fused.prepacked(w, ops) for w in mats]
 
     def run() -> None:

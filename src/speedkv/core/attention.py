@@ -20,7 +20,8 @@ import torch
 import torch.nn.functional as F
 from torch.nn.attention.bias import causal_lower_right
 
-from speedkv.core.native import has_prefill_kernel, native_ops
+from speedkv.core.native import has_prefill_kernel
+from speedkv.core.tuning import engine_kernels
 
 
 def prefill_attention(
@@ -34,7 +35,7 @@ def prefill_attention(
     """
     n_q, n_k = q.shape[1], k.shape[1]
     if mask is None and _native_prefill_fits(q, k, v):
-        ops = native_ops()
+        ops = engine_kernels()
         if has_prefill_kernel(ops):
             return ops.causal_attention(q, k, v, q.shape[-1] ** -0.5)
     kwargs = {"enable_gqa": q.shape[0] != k.shape[0]}
@@ -67,7 +68,7 @@ def batch_decode_attention(
     q: [B, Hq, 1, D]; keys[b], values[b]: [Hkv, n_b, D], any lengths, rows contiguous (views
     into a cache buffer are fine). Returns [B, Hq, 1, D].
     """
-    ops = native_ops() if q.device.type == "cpu" else None
+    ops = engine_kernels() if q.device.type == "cpu" else None
     if _native_fits(q, keys, values, ops):
         batch, heads, _, dim = q.shape
         flat = q.reshape(batch, heads, dim).contiguous()

@@ -16,9 +16,10 @@ half a minute each); later processes load the built libraries in milliseconds.
   than `SPEEDKV_KERNEL_LOCK_TIMEOUT` seconds (600) for another's build uses torch's kernels.
 
 Without a compiler, or with `SPEEDKV_KERNELS=torch`, the engine keeps torch's own kernels:
-the same results within rounding, slower. CUDA tensors always take torch's kernels. The
-bfloat16 kernels (prefill attention, the decode linear layer) exist only where the CPU has
-AVX512-BF16: elsewhere their libraries build without them.
+the same results within rounding, slower. Where both exist, which one runs each kind of work
+is chosen by measuring them on this machine (`core/tuning.py`). CUDA tensors always take
+torch's kernels. The bfloat16 kernels (prefill attention, the decode linear layer) exist only
+where the CPU has AVX512-BF16: elsewhere their libraries build without them.
 """
 
 from __future__ import annotations
@@ -52,7 +53,14 @@ KERNELS = {
 HEADERS = ("bf16_pairs.h",)
 SWITCH = "SPEEDKV_KERNELS"  # "torch" turns the native kernels off
 LOCK_TIMEOUT = "SPEEDKV_KERNEL_LOCK_TIMEOUT"
-FLAGS = ["-O3", "-march=native", "-fopenmp"]
+ARCH = "SPEEDKV_KERNEL_ARCH"  # the target flags, "-march=native" unless set (tests set others)
+
+
+def flags() -> list[str]:
+    """The compiler flags every kernel is built with."""
+    return ["-O3", *os.environ.get(ARCH, "-march=native").split(), "-fopenmp"]
+
+
 # the compiler macros that say which instructions -march=native may use
 ISA_MACRO = re.compile(r"#define (__(?:AVX|AMX|SSE|FMA|F16C|BMI|ARM_FEATURE|ARM_NEON|ARM_ARCH"
                        r"|aarch64|x86_64|SVE|riscv)\w*) ?(.*)")  # fmt: skip
@@ -81,8 +89,9 @@ def native_enabled() -> bool:
 
 @functools.cache
 def native_ops() -> NativeKernels | None:
-    """The native kernels that could be built (or were) for this machine, or None when they
-    are switched off or none could be; each one that could not is reported once."""
+    """Every native kernel that could be built (or was) for this machine, or None when they
+    are switched off or none could be; each one that could not is reported once. Which of
+    them the engine uses for each kind of work is `core.tuning`'s choice."""
     if not native_enabled():
         return None
     try:
@@ -119,19 +128,22 @@ def kernels_root() -> Path:
     version and the flags name it."""
     version, isa = compiler_target()
     digest = hashlib.sha256()
-    for part in (version, *isa, *FLAGS, torch.__version__, platform.machine()):
+    for part in (version, *isa, *flags(), torch.__version__, platform.machine()):
         digest.update(part.encode() + b"\0")
     return cache_dir() / "kernels" / digest.hexdigest()[:16]
 
 
-@functools.cache
 def compiler_target() -> tuple[str, tuple[str, ...]]:
-    """The C++ compiler's version line and the instruction-set macros it predefines for
-    `-march=native` here (`__AVX512BF16__ 1`, `__ARM_NEON 1`, ...)."""
-    compiler = os.environ.get("CXX", "c++")
+    """The C++ compiler's version line and the instruction-set macros it predefines for the
+    target flags here (`__AVX512BF16__ 1`, `__ARM_NEON 1`, ...)."""
+    return _compiler_target(os.environ.get("CXX", "c++"), tuple(flags()[1:-1]))
+
+
+@functools.cache
+def _compiler_target(compiler: str, target: tuple[str, ...]) -> tuple[str, tuple[str, ...]]:
     try:
         version = _run([compiler, "--version"]).splitlines()[0]
-        macros = _run([compiler, *FLAGS[1:2], "-dM", "-E", "-x", "c++", os.devnull])
+        macros = _run([compiler, *target, "-dM", "-E", "-x", "c++", os.devnull])
     except (OSError, subprocess.CalledProcessError) as error:
         raise KernelUnavailable(f"no working C++ compiler ({compiler}): {error}") from None
     found = (ISA_MACRO.match(line) for line in macros.splitlines())
@@ -151,7 +163,7 @@ def load_kernel(root: Path, name: str, source_dir: Path = CSRC) -> Path:
         raise KernelUnavailable(failed.read_text().strip() + f" (recorded in {failed})")
     build.mkdir(parents=True, exist_ok=True)
     timeout = float(os.environ.get(LOCK_TIMEOUT, "600"))
-    with _exclusive(build / "build.lock", timeout) as held:
+    with exclusive(build / "build.lock", timeout) as held:
         if not held:
             raise KernelUnavailable(f"another process has been building it for {timeout:.0f} s")
         if not library.is_file():  # another process may have built it while this one waited
@@ -190,7 +202,7 @@ def _compile(name: str, source: Path, build: Path) -> None:
             name=f"speedkv_{name}",
             sources=[str(source)],
             build_directory=str(build),
-            extra_cflags=FLAGS,
+            extra_cflags=flags(),
             extra_ldflags=["-fopenmp"],  # resolves to the libgomp torch already loaded
             is_python_module=False,
             verbose=False,
@@ -206,7 +218,7 @@ def _source_key(name: str, source_dir: Path) -> str:
 
 
 @contextlib.contextmanager
-def _exclusive(path: Path, timeout: float) -> Iterator[bool]:
+def exclusive(path: Path, timeout: float) -> Iterator[bool]:
     """An exclusive flock on `path` (True), or False after `timeout` seconds of waiting. The
     system drops the lock when its holder exits, however it exits."""
     with path.open("a") as handle:

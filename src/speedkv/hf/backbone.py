@@ -171,6 +171,9 @@ class Backbone:
         self._packed_head: tuple[torch.Tensor | None, ...] | None = None
         # speedkv's native CPU operations (torch.ops.speedkv), when the engine found them
         self.native_ops: NativeOps = None
+        # decode batches of more rows than this run the plain weights (oneDNN) instead of the
+        # prepacked copy: the engine sets it from the measured kernel choice
+        self.native_linear_rows = 1 << 30
 
     # -- basic facts --------------------------------------------------------------------------
     @property
@@ -252,7 +255,7 @@ class Backbone:
 
     def logits(self, h: torch.Tensor) -> torch.Tensor:
         """LM head over (already normed) hidden states, in float32 for sampling."""
-        if self._packed_head is not None:
+        if self._packed_head is not None and h.shape[0] <= self.native_linear_rows:
             return apply_linear(h, self._packed_head).float()
         return self._lm_head(h).float()
 
@@ -315,7 +318,7 @@ class Backbone:
         """q, k, v of the residual h [..., n, H] entering `layer` (qkv of its input norm).
         `prefill`: h is a chunk of one prompt's rows [n, H], run on the weights as loaded
         (prepacked copies are made for one-row products)."""
-        weights = self._layer_weights(layer, prefill)
+        weights = self._layer_weights(layer, prefill, h.shape[0])
         if weights is None:
             return self.qkv(layer, self.input_norm(layer, h), cos, sin)
         return layer_work.before_attention(h, weights, cos, sin, self._dims, self.native_ops)
@@ -324,13 +327,13 @@ class Backbone:
         self, layer: int, h: torch.Tensor, o: torch.Tensor, prefill: bool = False
     ) -> torch.Tensor:
         """The residual leaving `layer`, from the one entering it and attention output o."""
-        weights = self._layer_weights(layer, prefill)
+        weights = self._layer_weights(layer, prefill, h.shape[0])
         if weights is None:
             return self.mlp_block(layer, h + self.attn_out(layer, o))
         return layer_work.after_attention(h, o, weights, self._dims, self.native_ops)
 
-    def _layer_weights(self, layer: int, prefill: bool) -> LayerTensors | None:
-        if prefill:
+    def _layer_weights(self, layer: int, prefill: bool, rows: int = 1) -> LayerTensors | None:
+        if prefill or rows > self.native_linear_rows:
             self.decode_weights()  # gathers both sets
             return self._plain_weights[layer]
         return self.decode_weights()[layer]

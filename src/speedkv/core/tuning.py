@@ -1,0 +1,254 @@
+"""Which kernel runs each kind of work on this machine, chosen by measuring the candidates.
+
+speedkv's native kernels were written on one CPU; on another, torch's own kernels (oneDNN with
+AMX on recent Intel Xeons) may be faster at some of the work. The first time the kernels are
+built on a machine, and whenever `speedkv tune` runs, each kind of work that has several
+candidates is timed on representative bfloat16 shapes:
+
+- `prefill_attention`: speedkv's flash-style kernel or torch's scaled_dot_product_attention,
+- `decode_attention`: speedkv's batch kernel or torch's kernels sequence by sequence,
+- `layer_ops`: speedkv's fused norms / rotary / SiLU or torch's separate operations,
+- `decode_linear`: speedkv's packed one-row kernel or oneDNN on the plain weight, at 1, 8 and
+  32 rows: batches up to the largest row count the native kernel won at use it.
+
+Candidates are timed in alternating rounds (medians), and torch's kernel replaces a native one
+only when it is more than 10 % faster. The choice is stored beside the built kernels (in the
+directory the compiler's target names, one file per setting of the variables that change
+torch's kernels) and used by every later process. `SPEEDKV_KERNELS=native` uses
+every native kernel that builds, `torch` none, `auto` (the default) the measured choice.
+"""
+
+from __future__ import annotations
+
+import functools
+import hashlib
+import json
+import os
+import statistics
+import time
+from collections.abc import Callable
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+from speedkv.core import native
+from speedkv.hf import fused, layer_work
+from speedkv.log import log
+
+NATIVE, TORCH = "native", "torch"
+ALL_ROWS = 1 << 30
+ROWS = (1, 8, 32)  # decode batch sizes the linear layers are timed at
+# which native operators a kind of work uses (each kind's own source): a kind chosen for torch
+# hides them
+OPERATORS = {kind: native.KERNELS[kind] for kind in ("prefill_attention", "decode_attention",
+                                                     "layer_ops")}  # fmt: skip
+LINEAR_OPERATORS = native.KERNELS["decode_linear"]
+
+
+@dataclass
+class KernelChoice:
+    """The kernel chosen for each kind of work, and the timings that chose it (ms)."""
+
+    prefill_attention: str = NATIVE
+    decode_attention: str = NATIVE
+    layer_ops: str = NATIVE
+    # decode batches of up to this many rows use the prepacked weights (the native kernel's
+    # layout where it exists), larger ones the plain weights through oneDNN
+    decode_linear_native_rows: int = ALL_ROWS
+    timings: dict[str, dict[str, float]] = field(default_factory=dict)
+
+    @classmethod
+    def torch_only(cls) -> KernelChoice:
+        return cls(TORCH, TORCH, TORCH, decode_linear_native_rows=0)
+
+    def hidden_operators(self) -> set[str]:
+        """Native operators the engine should not use here."""
+        torch_kinds = [kind for kind in OPERATORS if getattr(self, kind) == TORCH]
+        hidden = {op for kind in torch_kinds for op in OPERATORS[kind]}
+        if self.decode_linear_native_rows == 0:
+            hidden |= set(LINEAR_OPERATORS)
+        return hidden
+
+    def lines(self) -> list[str]:
+        rows = self.decode_linear_native_rows
+        linear = (
+            "native for every batch" if rows >= ALL_ROWS
+            else "oneDNN for every batch" if rows == 0
+            else f"native for batches of up to {rows} rows, oneDNN above"
+        )  # fmt: skip
+        return [
+            f"prefill attention: {self.prefill_attention}",
+            f"decode attention: {self.decode_attention}",
+            f"layer small operations: {self.layer_ops}",
+            f"decode linear layers: {linear}",
+        ]
+
+
+def mode() -> str:
+    """SPEEDKV_KERNELS: auto (the measured choice), native or torch."""
+    chosen = os.environ.get(native.SWITCH, "auto").lower()
+    return chosen if chosen in ("auto", NATIVE, TORCH) else "auto"
+
+
+@functools.cache
+def kernel_choice() -> KernelChoice:
+    """The choice in force in this process (see the module's docstring)."""
+    ops = native.native_ops()
+    if ops is None or mode() == TORCH:
+        return KernelChoice.torch_only()
+    if mode() == NATIVE:
+        return KernelChoice()
+    path = choice_path()
+    stored = _stored(path)
+    if stored is not None:
+        return stored
+    with native.exclusive(path.with_suffix(".lock"), 600) as held:
+        stored = _stored(path) if held else None  # another process may have measured
+        if stored is not None:
+            return stored
+        choice = measure(ops)
+        if held:
+            path.write_text(json.dumps(asdict(choice), indent=2))
+    return choice
+
+
+def _stored(path: Path) -> KernelChoice | None:
+    """The choice stored at `path`; None if there is none or another version wrote it."""
+    try:
+        return KernelChoice(**json.loads(path.read_text()))
+    except (OSError, TypeError, ValueError):
+        return None
+
+
+@functools.cache
+def engine_kernels() -> native.NativeKernels | None:
+    """The native operators the engine uses here: those built, less the ones whose kind of
+    work torch's kernels do faster on this machine."""
+    ops = native.native_ops()
+    if ops is None:
+        return None
+    hidden = kernel_choice().hidden_operators()
+    kept = {name: getattr(ops, name) for name in ops.names if name not in hidden}
+    return native.NativeKernels(kept) if kept else None
+
+
+# settings that change torch's own kernels, so a choice measured under others does not hold
+TORCH_KERNEL_SETTINGS = ("ONEDNN_MAX_CPU_ISA", "ATEN_CPU_CAPABILITY", "OMP_NUM_THREADS")
+
+
+def choice_path() -> Path:
+    """Where this machine's choice is stored: beside its kernels, one file per setting of
+    the variables that change torch's kernels."""
+    settings = ",".join(f"{k}={os.environ.get(k, '')}" for k in TORCH_KERNEL_SETTINGS)
+    digest = hashlib.sha256(settings.encode()).hexdigest()[:8]
+    return native.kernels_root() / f"choice-{digest}.json"
+
+
+def tune() -> KernelChoice:
+    """Measure again and store the choice (`speedkv tune`)."""
+    ops = native.native_ops()
+    if ops is None:
+        return KernelChoice.torch_only()
+    choice = measure(ops)
+    choice_path().write_text(json.dumps(asdict(choice), indent=2))
+    kernel_choice.cache_clear()
+    engine_kernels.cache_clear()
+    return choice
+
+
+def measure(ops) -> KernelChoice:
+    """Time every candidate of every kind of work on this machine (about ten seconds)."""
+    log("timing speedkv's kernels against torch's on this machine (once)")
+    torch.manual_seed(0)
+    bf16 = torch.bfloat16
+    timings: dict[str, dict[str, float]] = {}
+    choice = KernelChoice(timings=timings)
+
+    if native.has_prefill_kernel(ops):  # 8 query / 2 KV heads of 64 over 1024 tokens
+        q = torch.randn(8, 1024, 64, dtype=bf16)
+        k, v = torch.randn(2, 1024, 64, dtype=bf16), torch.randn(2, 1024, 64, dtype=bf16)
+        timings["prefill_attention"] = _race({
+            NATIVE: lambda: ops.causal_attention(q, k, v, 0.125),
+            TORCH: lambda: F.scaled_dot_product_attention(
+                q[None], k[None], v[None], is_causal=True, enable_gqa=True),
+        })  # fmt: skip
+        choice.prefill_attention = _faster(timings["prefill_attention"])
+    else:
+        choice.prefill_attention = TORCH
+
+    if hasattr(ops, "decode_attention"):  # 8 sequences of 2048 cached tokens
+        q = torch.randn(8, 8, 64, dtype=bf16)
+        keys = [torch.randn(2, 2048, 64, dtype=bf16) for _ in range(8)]
+        packed = q.view(8, 2, 4, 64)  # a KV head's query heads as one block, as torch runs it
+        timings["decode_attention"] = _race({
+            NATIVE: lambda: ops.decode_attention(q, keys, keys, 0.125),
+            TORCH: lambda: [F.scaled_dot_product_attention(
+                packed[b][None], keys[b][None], keys[b][None]) for b in range(8)],
+        })  # fmt: skip
+        choice.decode_attention = _faster(timings["decode_attention"])
+    else:
+        choice.decode_attention = TORCH
+
+    if hasattr(ops, "rms_norm"):  # a decode step's and a prefill chunk's norms and SiLU
+        weight = torch.randn(2048, dtype=bf16)
+
+        def small_ops(rows: int, use) -> Callable[[], object]:
+            h, up = torch.randn(rows, 2048, dtype=bf16), torch.randn(rows, 4096, dtype=bf16)
+            if use is None:
+                return lambda: (layer_work.rms_norm(h, weight, 1e-5),
+                                F.silu(up[:, :2048]) * up[:, 2048:])  # fmt: skip
+            return lambda: (use.rms_norm(h, weight, 1e-5), use.silu_mul(up))
+
+        decode, chunk = (
+            _race({NATIVE: small_ops(8, ops), TORCH: small_ops(8, None)}),
+            _race({NATIVE: small_ops(512, ops), TORCH: small_ops(512, None)}),
+        )
+        timings["layer_ops"] = {name: decode[name] + chunk[name] for name in decode}
+        choice.layer_ops = _faster(timings["layer_ops"])
+    else:
+        choice.layer_ops = TORCH
+
+    if native.has_linear_kernel(ops):  # a 2048 x 2048 bfloat16 weight
+        plain = (torch.randn(2048, 2048, dtype=bf16), None)
+        packed = fused.prepacked(plain, ops)
+        wins = 0
+        for rows in ROWS:
+            x = torch.randn(rows, 2048, dtype=bf16)
+            pair = _race({NATIVE: lambda x=x: fused.apply_linear(x, packed),
+                          TORCH: lambda x=x: fused.apply_linear(x, plain)})  # fmt: skip
+            timings[f"decode_linear_{rows}"] = pair
+            if _faster(pair) == NATIVE and wins == rows_before(rows):
+                wins = rows
+        choice.decode_linear_native_rows = wins if wins < ROWS[-1] else ALL_ROWS
+    return choice
+
+
+def rows_before(rows: int) -> int:
+    """The row count timed before `rows` (0 before the first)."""
+    index = ROWS.index(rows)
+    return ROWS[index - 1] if index else 0
+
+
+# torch's kernel must beat a native one by this much to replace it: the native kernels are
+# fused, and save memory traffic around them that an isolated timing does not see
+MARGIN = 0.9
+
+
+def _faster(pair: dict[str, float]) -> str:
+    return TORCH if pair[TORCH] < MARGIN * pair[NATIVE] else NATIVE
+
+
+def _race(candidates: dict[str, Callable[[], object]], rounds: int = 9) -> dict[str, float]:
+    """Median milliseconds of each candidate, timed in alternating rounds after a warm-up
+    call each, so that a noisy neighbour slows every candidate alike."""
+    times: dict[str, list[float]] = {name: [] for name in candidates}
+    for run in candidates.values():
+        run()
+    for _ in range(rounds):
+        for name, run in candidates.items():
+            start = time.perf_counter()
+            run()
+            times[name].append(time.perf_counter() - start)
+    return {name: statistics.median(spent) * 1e3 for name, spent in times.items()}

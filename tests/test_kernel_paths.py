@@ -1,0 +1,50 @@
+"""Every machine's kernel paths, run on this one: the engine's float32 reference tests and the
+kernel tests (each kernel against torch's, within its bounds) in a process forced onto each
+alternative a CPU may take. torch's kernels only (`SPEEDKV_KERNELS=torch`); every native
+kernel whatever the measured choice (`native`); oneDNN without AMX
+(`ONEDNN_MAX_CPU_ISA=AVX512_CORE_BF16`); ATen without AVX512 (`ATEN_CPU_CAPABILITY=avx2`);
+and native kernels built without AVX512-BF16, so prefill attention and the decode linear
+layer go to torch's and oneDNN's."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from speedkv.core import native
+
+ROOT = Path(__file__).resolve().parents[1]
+TESTS = ["tests/test_engine_equivalence.py", "tests/test_decode_kernels.py",
+         "tests/test_prefill_kernel.py"]  # fmt: skip
+
+
+def x86_compiler() -> bool:
+    try:
+        return any(m.startswith("__x86_64") for m in native.compiler_target()[1])
+    except native.KernelUnavailable:
+        return False
+
+
+PATHS = {
+    "torch-kernels": {native.SWITCH: "torch"},
+    "every-native-kernel": {native.SWITCH: "native"},
+    "onednn-without-amx": {"ONEDNN_MAX_CPU_ISA": "AVX512_CORE_BF16"},
+    "aten-without-avx512": {"ATEN_CPU_CAPABILITY": "avx2"},
+    "native-without-avx512-bf16": {native.ARCH: "-march=native -mno-avx512bf16"},
+}
+
+
+@pytest.mark.parametrize("path", list(PATHS))
+def test_the_reference_holds_on_every_kernel_path(path):
+    if path == "native-without-avx512-bf16" and not x86_compiler():
+        pytest.skip("an x86 flag")
+    env = {**os.environ, **PATHS[path]}
+    command = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-x", *TESTS]
+    done = subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True,
+                          timeout=900)  # fmt: skip
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-2000:]
+    assert " passed" in done.stdout.strip().splitlines()[-1]

@@ -1,0 +1,145 @@
+"""The kernel choice: measured once per machine and setting, stored, overridden by
+SPEEDKV_KERNELS, and what the engine runs follows it (with the reference's tokens whatever
+it says)."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from typer.testing import CliRunner
+
+from speedkv.cli.app import app
+from speedkv.core import native, tuning
+from speedkv.core.tuning import ALL_ROWS, NATIVE, TORCH, KernelChoice
+
+needs_kernels = pytest.mark.skipif(native.native_ops() is None, reason="no native kernels here")
+
+
+@pytest.fixture(autouse=True)
+def fresh_choice():
+    tuning.kernel_choice.cache_clear()
+    tuning.engine_kernels.cache_clear()
+    yield
+    tuning.kernel_choice.cache_clear()
+    tuning.engine_kernels.cache_clear()
+
+
+def test_a_kind_chosen_for_torch_hides_exactly_its_operators():
+    choice = KernelChoice(prefill_attention=TORCH, layer_ops=TORCH)
+    assert choice.hidden_operators() == {
+        "causal_attention", "rms_norm", "add_rms_norm", "silu_mul", "rotary_split"
+    }  # fmt: skip
+    assert KernelChoice().hidden_operators() == set()
+    assert KernelChoice.torch_only().hidden_operators() >= {"packed_linear", "decode_attention"}
+
+
+def test_torch_must_win_by_the_margin_to_replace_a_native_kernel():
+    assert tuning._faster({NATIVE: 1.0, TORCH: 0.95}) == NATIVE
+    assert tuning._faster({NATIVE: 1.0, TORCH: 0.85}) == TORCH
+    assert tuning._faster({NATIVE: 1.0, TORCH: 2.0}) == NATIVE
+
+
+def test_a_race_times_every_candidate_in_every_round():
+    calls = {"a": 0, "b": 0}
+
+    def count(name):
+        return lambda: calls.__setitem__(name, calls[name] + 1)
+
+    timings = tuning._race({"a": count("a"), "b": count("b")}, rounds=5)
+    assert calls == {"a": 6, "b": 6}  # a warm-up call each, then 5 rounds
+    assert set(timings) == {"a", "b"} and all(t >= 0 for t in timings.values())
+
+
+@pytest.mark.parametrize("switch", ["torch", "native"])
+def test_the_switch_overrides_the_measured_choice(monkeypatch, switch):
+    monkeypatch.setenv(native.SWITCH, switch)
+    monkeypatch.setattr(tuning, "measure", lambda ops: pytest.fail("measured under a switch"))
+    choice = tuning.kernel_choice()
+    if switch == "torch" or native.native_ops() is None:
+        assert choice == KernelChoice.torch_only()
+        assert tuning.engine_kernels() is None
+    else:
+        assert choice == KernelChoice()
+        assert set(tuning.engine_kernels().names) == set(native.native_ops().names)
+
+
+@needs_kernels
+def test_the_choice_is_measured_once_and_stored_per_setting(monkeypatch, tmp_path):
+    monkeypatch.setenv(native.SWITCH, "auto")
+    monkeypatch.setattr(native, "kernels_root", lambda: tmp_path)
+    measured = []
+
+    def fake_measure(ops):
+        measured.append(ops)
+        return KernelChoice(layer_ops=TORCH, decode_linear_native_rows=8,
+                            timings={"layer_ops": {NATIVE: 2.0, TORCH: 1.0}})  # fmt: skip
+
+    monkeypatch.setattr(tuning, "measure", fake_measure)
+    first = tuning.kernel_choice()
+    stored = json.loads(tuning.choice_path().read_text())
+    assert stored["layer_ops"] == TORCH and stored["decode_linear_native_rows"] == 8
+    tuning.kernel_choice.cache_clear()
+    assert tuning.kernel_choice() == first and len(measured) == 1  # read back, not measured
+    kept = set(tuning.engine_kernels().names)
+    assert "rms_norm" not in kept and "silu_mul" not in kept
+    assert kept <= set(native.native_ops().names)
+
+    monkeypatch.setenv("ONEDNN_MAX_CPU_ISA", "AVX512_CORE_BF16")  # torch's kernels change
+    tuning.kernel_choice.cache_clear()
+    assert tuning.choice_path() != tmp_path / stored_name(first, tmp_path)
+    tuning.kernel_choice()
+    assert len(measured) == 2 and len(list(tmp_path.glob("choice-*.json"))) == 2
+
+
+def stored_name(choice: KernelChoice, root) -> str:
+    return next(root.glob("choice-*.json")).name
+
+
+@needs_kernels
+def test_a_stored_choice_of_another_version_is_measured_again(monkeypatch, tmp_path):
+    monkeypatch.setenv(native.SWITCH, "auto")
+    monkeypatch.setattr(native, "kernels_root", lambda: tmp_path)
+    tuning.choice_path().write_text(json.dumps({"an_old_field": 1}))
+    monkeypatch.setattr(tuning, "measure", lambda ops: KernelChoice(decode_attention=TORCH))
+    assert tuning.kernel_choice().decode_attention == TORCH
+
+
+@needs_kernels
+def test_measuring_times_every_kind_of_work_here():
+    choice = tuning.measure(native.native_ops())
+    assert {"decode_attention", "layer_ops"} <= set(choice.timings)
+    for kind in ("prefill_attention", "decode_attention", "layer_ops"):
+        picked = getattr(choice, kind)
+        assert picked in (NATIVE, TORCH)
+        if kind in choice.timings:
+            assert picked == tuning._faster(choice.timings[kind])
+    if native.has_linear_kernel(native.native_ops()):
+        assert {f"decode_linear_{rows}" for rows in tuning.ROWS} <= set(choice.timings)
+        assert choice.decode_linear_native_rows in (0, 1, 8, ALL_ROWS)
+
+
+@pytest.mark.parametrize("hidden", ["prefill_attention", "decode_attention", "layer_ops"])
+def test_the_engine_follows_a_partial_choice_with_the_reference_tokens(monkeypatch, hidden):
+    from speedkv.core.engine import Engine
+
+    from conftest import random_prompt, tiny_model
+    from helpers import check_equals_dense, check_equals_hf_generate
+
+    choice = KernelChoice(**{hidden: TORCH})
+    monkeypatch.setattr(tuning, "kernel_choice", lambda: choice)
+    engine = Engine(tiny_model("llama"), chunk_size=16)
+    kept = engine.backbone.native_ops
+    assert kept is None or not choice.hidden_operators() & set(kept.names)
+    ids = random_prompt(40)
+    check_equals_hf_generate(engine, ids, ["full"], steps=6)
+    check_equals_dense(engine, ids, "speed:lcut=2,anchors=bos", steps=6, atol=1e-4)
+
+
+def test_doctor_names_the_machine_and_the_choice():
+    result = CliRunner().invoke(app, ["doctor"])
+    assert result.exit_code == 0, result.output
+    assert "cpu:" in result.output and "kernel choice" in result.output
+    assert "decode linear layers:" in result.output
+    facts = json.loads(CliRunner().invoke(app, ["doctor", "--json"]).output)
+    assert {"cpu", "isa", "cores", "torch", "onednn", "kernels"} <= set(facts)
