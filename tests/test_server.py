@@ -393,8 +393,9 @@ def test_full_queue_answers_429_and_fixed_method_holds(small_server):
     same = chat(client, "Hi", SPEED, max_tokens=2)  # naming the server's own method is fine
     assert same.speedkv[0]["method"] == SPEED_CANONICAL
 
-    # it holds the only batch slot for longer than the queued client below waits (~30 s)
-    running = chat(client, QUESTION, max_tokens=400, stream=True, ignore_eos=True)
+    # it holds the only batch slot for longer than the queued client below waits (4000 tokens
+    # are a minute or more here; closing the stream cancels it once the checks are done)
+    running = chat(client, QUESTION, max_tokens=4000, stream=True, ignore_eos=True)
     next(iter(running))
     prefilled = small_server.metrics()["speedkv_prompt_tokens_total"]
 

@@ -94,10 +94,10 @@ def prepacked(
     made for one-row inputs. With `ops` (speedkv's native CPU operations) and a bfloat16 or
     int8 weight its kernel takes, speedkv's own layout (core/csrc/decode_linear.cpp): one
     load feeds the CPU's bfloat16 dot-product instruction for 16 outputs. Otherwise, for a
-    plain float weight (`can_prepack` without ops), oneDNN's blocked
-    layout, which matrix-vector products read about 1.8x faster on this project's CPU than
-    torch's own kernels read the plain weight (same results). The copy is the cost: the
-    layer's weight is held twice."""
+    plain float weight (`can_prepack` without ops), oneDNN's blocked layout, which one-row
+    products read faster than torch's kernels read the plain weight, with the same results
+    (benchmarks/README.md has the rates). The copy is the cost: the layer's weight is held
+    twice."""
     weight, *rest = tensors
     if _native_packable(tensors, ops):
         # scale and bias in float32 once, as the kernel reads them (exact: they were bf16)
