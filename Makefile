@@ -233,7 +233,7 @@ results: install
 # RULER's own client and scorer (nvidia-long-context-eval) against `speedkv serve`, full and
 # SPEED, on the samples `speedkv eval` answers in-process (run first, or resumed): four tasks at
 # 4K, 4 samples each, answers compared sample by sample (benchmarks/ruler-served/; the client's
-# files and both runs' logs stay in runs/ruler-served/).
+# files and both runs' logs stay in runs/ruler-served/; about 4 min on 2 cores).
 .PHONY: ruler-served
 ruler-served: install
 	$(PY) benchmarks/ruler_served.py --model smollm2-135m --dtype bfloat16 --methods "full;speed" \

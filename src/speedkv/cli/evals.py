@@ -41,7 +41,10 @@ def eval_command(
             "--tasks",
             help="Comma-separated: niah, niah_multikey, niah_multivalue, vt, fidelity, sanity, "
             "reuse (four facts asked over one cached document and with fresh prefills; "
-            "docs/reuse.md).",
+            "docs/reuse.md), and ruler: RULER's 13 tasks (or one, e.g. ruler/niah_single_2, "
+            "ruler/cwe, ruler/qa_1), generated and scored by NVIDIA's nvidia-long-context-eval "
+            "(the speedkv[ruler] extra); a RULER length counts prompt and answer, as RULER's "
+            "does (docs/results.md).",
         ),
     ] = "niah,fidelity,sanity",
     lengths: Lengths = "2048",
@@ -51,8 +54,9 @@ def eval_command(
             "--samples",
             metavar="N|TASK=N,...",
             help="Samples per task and length: one count, or per task 'niah=10,fidelity=4' "
-            "(defaults: niah 10, niah_multikey 4, niah_multivalue 3, vt 3, fidelity 4, "
-            "sanity 12, reuse 8 documents of 4 questions).",
+            "('ruler=20' sets every RULER task's; defaults: niah 10, niah_multikey 4, "
+            "niah_multivalue 3, vt 3, fidelity 4, sanity 12, reuse 8 documents of 4 questions, "
+            "each RULER task 20).",
         ),
     ] = None,
     seed: Seed = 0,
@@ -91,6 +95,17 @@ def eval_command(
     resume: Annotated[
         bool, typer.Option("--resume", help="Keep the runs already in OUT/records.jsonl.")
     ] = False,
+    ruler_data: Annotated[
+        Path | None,
+        typer.Option(
+            "--ruler-data",
+            metavar="DIR",
+            help="Where RULER's generated samples are kept and reused (default "
+            "$SPEEDKV_CACHE/ruler): one jsonl per package version, tokenizer, length, seed, "
+            "sample count and task, in the package's own layout, so every method and later "
+            "run answers the same prompts.",
+        ),
+    ] = None,
     adapter: Adapter = None,
     reference: Annotated[
         str | None,
@@ -109,8 +124,8 @@ def eval_command(
     threads: Threads = 0,
     as_json: AsJson = False,
 ) -> None:
-    """Measure what methods cost in quality: needle retrieval, fidelity to full attention
-    and short-prompt sanity, per prompt length. With --adapter, every method runs with it
+    """Measure what methods cost in quality: needle retrieval, fidelity to full attention,
+    short-prompt sanity and RULER, per prompt length. With --adapter, every method runs with it
     (the full reference included)."""
     from speedkv.evals.report import markdown_tables
     from speedkv.evals.runner import EvalConfig, EvalRunner
@@ -134,6 +149,7 @@ def eval_command(
         question_turn=question_turn,
         shared_prefill=shared_prefill,
         reference=reference,
+        ruler_data=str(ruler_data) if ruler_data is not None else None,
     )
     set_threads(threads)
     # decoded as generate and serve decode (prepacked by default), so quality is measured on

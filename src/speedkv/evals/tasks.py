@@ -3,11 +3,18 @@
 from __future__ import annotations
 
 from speedkv.errors import UserError
-from speedkv.evals import reuse, sanity
+from speedkv.evals import reuse, ruler, sanity
 from speedkv.evals.needles import MAX_NEW_TOKENS as NEEDLE_NEW_TOKENS
 from speedkv.evals.needles import NEEDLE_TASKS
 
-TASKS = (*NEEDLE_TASKS, "fidelity", "sanity", reuse.TASK)
+TASKS = (*NEEDLE_TASKS, "fidelity", "sanity", reuse.TASK, *ruler.TASKS)
+# how errors list them: RULER's as its group and its names
+TASK_NAMES = ", ".join(
+    [
+        *(t for t in TASKS if not ruler.is_ruler(t)),
+        f"ruler (or ruler/TASK: {', '.join(ruler.NAMES)})",
+    ]
+)
 DESCRIPTIONS = {
     "niah": "single needle: a 5-digit pass key, asked back",
     "niah_multikey": "four pass keys for four named things; one asked",
@@ -17,6 +24,7 @@ DESCRIPTIONS = {
     "against full",
     "sanity": "short instructions: greedy answer identical to full's",
     "reuse": "four planted facts, each asked over one cached document and with a fresh prefill",
+    ruler.GROUP: "RULER's 13 tasks, generated and scored by NVIDIA's nvidia-long-context-eval",
 }
 # Samples per task and length when --samples does not say: sized so that the full docs/results.md
 # sweep (17 methods, 2K and 4K) stays within about two hours on a 2-core CPU.
@@ -28,6 +36,9 @@ DEFAULT_N = {
     "fidelity": 4,
     "sanity": len(sanity.PROMPTS),
     "reuse": 8,  # documents; each asks reuse.QUESTIONS questions
+    # the floor for a published RULER table; 13 tasks at 4K then take about 20 minutes per
+    # method on SmolLM2 and a 2-core CPU
+    **{task: 20 for task in ruler.TASKS},
 }
 SHORT = 0  # the length recorded for sanity's short prompts (each has its own length)
 DEFAULT_DEPTHS = (0.1, 0.5, 0.9)
@@ -38,6 +49,8 @@ def is_needle(task: str) -> bool:
 
 
 def max_new_tokens(task: str) -> int:
+    if ruler.is_ruler(task):
+        return ruler.task_spec(task).tokens_to_generate
     if task == "sanity":
         return sanity.MAX_NEW_TOKENS
     if task == reuse.TASK:
@@ -51,18 +64,20 @@ def records_per_run(task: str) -> int:
 
 
 def parse_tasks(text: str) -> list[str]:
-    tasks = list(dict.fromkeys(t.strip() for t in text.split(",") if t.strip()))
+    """Task names separated by commas; `ruler` stands for all 13 `ruler/...` tasks."""
+    tasks = ruler.expand([t.strip() for t in text.split(",") if t.strip()])
     if not tasks:
-        raise UserError(f"give at least one task; tasks: {', '.join(TASKS)}")
+        raise UserError(f"give at least one task; tasks: {TASK_NAMES}")
     unknown = [t for t in tasks if t not in TASKS]
     if unknown:
-        raise UserError(f"unknown task '{unknown[0]}'; tasks: {', '.join(TASKS)}")
+        raise UserError(f"unknown task '{unknown[0]}'; tasks: {TASK_NAMES}")
     return tasks
 
 
 def parse_n(text: str | None, tasks: list[str]) -> dict[str, int]:
     """Samples per task: None (the defaults), one count for every task ('3'), or per task
-    ('niah=10,fidelity=4'; tasks not named keep their default)."""
+    ('niah=10,fidelity=4'; tasks not named keep their default; 'ruler=20' sets every RULER
+    task's)."""
     counts = {t: DEFAULT_N[t] for t in tasks}
     if text is None or not text.strip():
         return counts
@@ -71,12 +86,13 @@ def parse_n(text: str | None, tasks: list[str]) -> dict[str, int]:
         return {t: _count(text, text) for t in tasks}
     for part in text.split(","):
         task, eq, value = (s.strip() for s in part.partition("="))
-        if not eq or task not in TASKS:
+        if not eq or (task not in TASKS and task != ruler.GROUP):
             raise UserError(
                 f"--samples must be a count or task=count pairs separated by commas, got '{text}'"
             )
-        if task in counts:
-            counts[task] = _count(value, text)
+        for name in ruler.expand([task]):
+            if name in counts:
+                counts[name] = _count(value, text)
     return counts
 
 

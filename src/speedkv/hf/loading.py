@@ -218,6 +218,35 @@ def load_tokenizer(directory: str | Path):
     return AutoTokenizer.from_pretrained(directory)
 
 
+def tokenizer_fingerprint(tokenizer) -> str:
+    """12 hex digits that change whenever the tokenizer would split text differently: its
+    whole serialised pipeline (normaliser, pre-tokeniser, vocabulary, merges, added tokens), or
+    its vocabulary where it has no fast backend."""
+    backend = getattr(tokenizer, "backend_tokenizer", None)
+    text = (
+        backend.to_str()
+        if backend is not None
+        else json.dumps(sorted(tokenizer.get_vocab().items()), ensure_ascii=False)
+    )
+    return hashlib.sha256(text.encode()).hexdigest()[:12]
+
+
+def save_tokenizer(tokenizer, parent: Path) -> Path:
+    """The tokenizer saved as an HF directory `parent/<fingerprint>`, once, for tools that take
+    a tokenizer path (RULER's generators load it with AutoTokenizer)."""
+    target = Path(parent) / tokenizer_fingerprint(tokenizer)
+    if (target / "tokenizer_config.json").is_file():
+        return target
+    staging = target.with_name(f"{target.name}.tmp-{os.getpid()}")
+    shutil.rmtree(staging, ignore_errors=True)
+    tokenizer.save_pretrained(staging)
+    try:
+        staging.rename(target)
+    except OSError:  # another process saved it first
+        shutil.rmtree(staging, ignore_errors=True)
+    return target
+
+
 def _hf_directory(name_or_path: str, progress: bool) -> tuple[Path, str]:
     if name_or_path in EMBEDDED:
         return _embedded_directory(EMBEDDED[name_or_path], progress), name_or_path

@@ -71,6 +71,24 @@ def encode_messages(
     return EncodedPrompt(ids, header, turn)
 
 
+def encode_with_reply(tokenizer, messages: list[dict], reply: str) -> EncodedPrompt:
+    """A chat prompt whose assistant reply already begins with `reply` (a benchmark's answer
+    prefix, such as RULER's): the generation header, then `reply`. The reply's tokens count
+    with the header and the last turn, since they are the answer's first tokens (`deep=header`
+    keeps them deep)."""
+    prompt = encode_messages(tokenizer, messages)
+    if not reply:
+        return prompt
+    text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+    ids = list(tokenizer(text + reply, add_special_tokens=False)["input_ids"])
+    if ids[: len(prompt.ids)] != prompt.ids:
+        raise ValueError("the reply merges with the chat template's last tokens")
+    extra = len(ids) - len(prompt.ids)
+    header = None if prompt.header_tokens is None else prompt.header_tokens + extra
+    turn = None if prompt.turn_tokens is None else prompt.turn_tokens + extra
+    return EncodedPrompt(ids, header, turn)
+
+
 def _turn_tokens(tokenizer, messages: list[dict], text: str, ids: list[int]) -> int | None:
     """Tokens from the start of the last message's content to the end: the template is
     rendered with a marker for that content, and what precedes the marker must tokenize to a
