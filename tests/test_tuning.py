@@ -34,6 +34,21 @@ def test_a_kind_chosen_for_torch_hides_exactly_its_operators():
     assert KernelChoice.torch_only().hidden_operators() >= {"packed_linear", "decode_attention"}
 
 
+def test_torch_kernels_only_still_decode_on_the_prepacked_copy(monkeypatch):
+    """SPEEDKV_KERNELS=torch keeps oneDNN's prepacked weights for every batch (twice as fast per
+    token as the plain ones), as before the kernel choice existed."""
+    from speedkv.core.engine import Engine
+
+    from conftest import tiny_model
+
+    monkeypatch.setenv(native.SWITCH, "torch")
+    backbone = Engine(tiny_model("llama"), prepack=True).backbone
+    assert backbone.native_ops is None or "packed_linear" not in backbone.native_ops.names
+    for rows in (1, 8, 64):
+        assert backbone._layer_weights(0, prefill=False, rows=rows) is backbone.decode_weights()[0]
+    assert backbone._layer_weights(0, prefill=False) is not backbone._plain_weights[0]
+
+
 def test_torch_must_win_by_the_margin_to_replace_a_native_kernel():
     assert tuning._faster({NATIVE: 1.0, TORCH: 0.95}) == NATIVE
     assert tuning._faster({NATIVE: 1.0, TORCH: 0.85}) == TORCH

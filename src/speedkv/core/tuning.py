@@ -9,12 +9,13 @@ candidates is timed on representative bfloat16 shapes:
 - `decode_attention`: speedkv's batch kernel or torch's kernels sequence by sequence,
 - `layer_ops`: speedkv's fused norms / rotary / SiLU or torch's separate operations,
 - `decode_linear`: speedkv's packed one-row kernel or oneDNN on the plain weight, at 1, 8 and
-  32 rows: batches up to the largest row count the native kernel won at use it.
+  32 rows: batches up to the largest row count the native kernel won at use it. Where the
+  native kernel is not used at all, the prepacked copy is oneDNN's own layout.
 
 Candidates are timed in alternating rounds (medians), and torch's kernel replaces a native one
 only when it is more than 10 % faster. The choice is stored beside the built kernels (in the
-directory the compiler's target names, one file per setting of the variables that change
-torch's kernels) and used by every later process. `SPEEDKV_KERNELS=native` uses
+directory the compiler's target names, one file per thread count and setting of the variables
+that change torch's kernels) and used by every later process. `SPEEDKV_KERNELS=native` uses
 every native kernel that builds, `torch` none, `auto` (the default) the measured choice.
 """
 
@@ -42,9 +43,7 @@ ALL_ROWS = 1 << 30
 ROWS = (1, 8, 32)  # decode batch sizes the linear layers are timed at
 # which native operators a kind of work uses (each kind's own source): a kind chosen for torch
 # hides them
-OPERATORS = {kind: native.KERNELS[kind] for kind in ("prefill_attention", "decode_attention",
-                                                     "layer_ops")}  # fmt: skip
-LINEAR_OPERATORS = native.KERNELS["decode_linear"]
+KINDS = ("prefill_attention", "decode_attention", "layer_ops", "decode_linear")
 
 
 @dataclass
@@ -54,28 +53,27 @@ class KernelChoice:
     prefill_attention: str = NATIVE
     decode_attention: str = NATIVE
     layer_ops: str = NATIVE
-    # decode batches of up to this many rows use the prepacked weights (the native kernel's
-    # layout where it exists), larger ones the plain weights through oneDNN
+    decode_linear: str = NATIVE  # torch: the prepacked copy is oneDNN's layout, not speedkv's
+    # decode batches of up to this many rows use the prepacked weights, larger ones the plain
+    # weights through oneDNN
     decode_linear_native_rows: int = ALL_ROWS
     timings: dict[str, dict[str, float]] = field(default_factory=dict)
 
     @classmethod
     def torch_only(cls) -> KernelChoice:
-        return cls(TORCH, TORCH, TORCH, decode_linear_native_rows=0)
+        """No native kernel: every batch decodes on oneDNN's prepacked copy, as without them."""
+        return cls(TORCH, TORCH, TORCH, TORCH)
 
     def hidden_operators(self) -> set[str]:
         """Native operators the engine should not use here."""
-        torch_kinds = [kind for kind in OPERATORS if getattr(self, kind) == TORCH]
-        hidden = {op for kind in torch_kinds for op in OPERATORS[kind]}
-        if self.decode_linear_native_rows == 0:
-            hidden |= set(LINEAR_OPERATORS)
-        return hidden
+        torch_kinds = [kind for kind in KINDS if getattr(self, kind) == TORCH]
+        return {op for kind in torch_kinds for op in native.KERNELS[kind]}
 
     def lines(self) -> list[str]:
         rows = self.decode_linear_native_rows
         linear = (
-            "native for every batch" if rows >= ALL_ROWS
-            else "oneDNN for every batch" if rows == 0
+            "oneDNN for every batch" if self.decode_linear == TORCH or rows == 0
+            else "native for every batch" if rows >= ALL_ROWS
             else f"native for batches of up to {rows} rows, oneDNN above"
         )  # fmt: skip
         return [
@@ -110,8 +108,12 @@ def kernel_choice() -> KernelChoice:
             return stored
         choice = measure(ops)
         if held:
-            path.write_text(json.dumps(asdict(choice), indent=2))
+            _store(path, choice)
     return choice
+
+
+def _store(path: Path, choice: KernelChoice) -> None:
+    path.write_text(json.dumps(asdict(choice), indent=2))
 
 
 def _stored(path: Path) -> KernelChoice | None:
@@ -135,13 +137,17 @@ def engine_kernels() -> native.NativeKernels | None:
 
 
 # settings that change torch's own kernels, so a choice measured under others does not hold
-TORCH_KERNEL_SETTINGS = ("ONEDNN_MAX_CPU_ISA", "ATEN_CPU_CAPABILITY", "OMP_NUM_THREADS")
+TORCH_KERNEL_SETTINGS = ("ONEDNN_MAX_CPU_ISA", "ATEN_CPU_CAPABILITY")
 
 
 def choice_path() -> Path:
-    """Where this machine's choice is stored: beside its kernels, one file per setting of
-    the variables that change torch's kernels."""
-    settings = ",".join(f"{k}={os.environ.get(k, '')}" for k in TORCH_KERNEL_SETTINGS)
+    """Where this machine's choice is stored: beside its kernels, one file per thread count
+    (as set, by OMP_NUM_THREADS or --threads) and setting of the variables that change torch's
+    kernels."""
+    settings = ",".join(
+        [f"threads={torch.get_num_threads()}",
+         *(f"{k}={os.environ.get(k, '')}" for k in TORCH_KERNEL_SETTINGS)]
+    )  # fmt: skip
     digest = hashlib.sha256(settings.encode()).hexdigest()[:8]
     return native.kernels_root() / f"choice-{digest}.json"
 
@@ -152,7 +158,7 @@ def tune() -> KernelChoice:
     if ops is None:
         return KernelChoice.torch_only()
     choice = measure(ops)
-    choice_path().write_text(json.dumps(asdict(choice), indent=2))
+    _store(choice_path(), choice)
     kernel_choice.cache_clear()
     engine_kernels.cache_clear()
     return choice
@@ -222,6 +228,9 @@ def measure(ops) -> KernelChoice:
             if _faster(pair) == NATIVE and wins == rows_before(rows):
                 wins = rows
         choice.decode_linear_native_rows = wins if wins < ROWS[-1] else ALL_ROWS
+        choice.decode_linear = NATIVE if wins else TORCH
+    else:
+        choice.decode_linear = TORCH
     return choice
 
 
