@@ -216,24 +216,24 @@ def measure(args) -> None:
     jobs = json.loads(Path(args.requests).read_text())
     properties = plugin_properties(args)
     report = plugin_report(ov, args.model, properties)
-    results, budgets = [], {}
-    if args.kv_fraction:
-        # a budget is a pipeline's, so one pipeline per prompt length, its jobs in order
-        lengths = {job["name"]: max(len(p) for p in job["prompts"]) for job in jobs}
-        for length in dict.fromkeys(lengths.values()):
-            budgets[length] = eviction_budget(length, args.kv_fraction)
-            group = [job for job in jobs if lengths[job["name"]] == length]
-            pipe = pipeline(genai, args.model, properties, budgets[length])
-            warm_up(pipe, group)
-            for job in group:
-                results.append(measure_job(pipe, job) | {"kv_budget_tokens": budgets[length]})
-            del pipe
-        order = [job["name"] for job in jobs]
-        results.sort(key=lambda r: order.index(r["name"]))
-    else:
-        pipe = pipeline(genai, args.model, properties, None)
-        warm_up(pipe, jobs)
-        results = [measure_job(pipe, job) for job in jobs]
+    # a KV budget belongs to a pipeline: one pipeline per budget (per prompt length when
+    # evicting, else one for every job), its jobs in order
+    lengths = {job["name"]: max(len(p) for p in job["prompts"]) for job in jobs}
+    budgets = {n: eviction_budget(n, args.kv_fraction) for n in lengths.values()}
+
+    def budget(job: dict) -> int | None:
+        return budgets[lengths[job["name"]]] if args.kv_fraction else None
+
+    results = []
+    for kept in dict.fromkeys(budget(job) for job in jobs):
+        group = [job for job in jobs if budget(job) == kept]
+        pipe = pipeline(genai, args.model, properties, kept)
+        warm_up(pipe, group)
+        extra = {"kv_budget_tokens": kept} if kept is not None else {}
+        results += [measure_job(pipe, job) | extra for job in group]
+        del pipe
+    order = [job["name"] for job in jobs]
+    results.sort(key=lambda r: order.index(r["name"]))
     result = {
         "engine": "openvino-genai",
         "version": genai.__version__,
