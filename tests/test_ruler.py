@@ -7,6 +7,7 @@ from __future__ import annotations
 import importlib.util
 import json
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -165,6 +166,55 @@ def test_split_reply_finds_the_answer_prefix():
     assert ruler.split_reply(text + prefix, spec.answer_prefix) == (text, prefix)
     with pytest.raises(ValueError):
         ruler.split_reply(text, spec.answer_prefix)
+
+
+def query_of(sample: ruler.RulerSample, context: str) -> str | None:
+    """The sample's query found from its context and references, not from its question: the
+    key of the needles holding the values (niah), the number the chain starts from (vt)."""
+    spec = ruler.task_spec(sample.task)
+    if spec.kind == "niah":
+        keys = [
+            re.search(rf"for (\S+) is: {re.escape(value)}", context).group(1)
+            for value in sample.outputs
+        ]
+        return " ".join(dict.fromkeys(keys))
+    if spec.kind == "variable_tracking":
+        return re.search(rf"VAR {sample.outputs[0]} = (\d+)", context).group(1)
+    return None
+
+
+@pytest.mark.parametrize("task", ruler.TASKS)
+def test_a_sample_splits_into_context_question_and_answer_prefix(smol_tokenizer, root, task):
+    """What a query-agnostic cache compresses (the context) and what comes after it, for
+    kvpress's pipeline (benchmarks/kvpress_peer.py): the question as the template words it."""
+    spec = ruler.task_spec(task)
+    for sample in samples(smol_tokenizer, root, task):
+        context, question, prefix = ruler.split_question(sample.input, spec)
+        assert context + question + prefix == sample.input
+        assert prefix.lstrip() == sample.reply_start
+        assert question.startswith("\n") and not question.endswith(" ")
+        assert len(question) <= 300 and 5 * len(question) < len(context)
+        query = query_of(sample, context)
+        if query is not None:
+            assert all(key in question for key in query.split())
+        elif spec.kind == "qa":  # the question asked of the documents
+            assert re.fullmatch(r"\n\nAnswer the question .*\n\nQuestion: \S.*", question, re.S)
+        else:  # cwe and fwe ask a fixed question
+            assert question == ruler.question_tail(spec)
+        # the split falls on a token boundary: the two parts tokenise to the input's tokens
+        parts = [smol_tokenizer.encode(p, add_special_tokens=False) for p in (context, question)]
+        whole = smol_tokenizer.encode(context + question, add_special_tokens=False)
+        assert parts[0] + parts[1] == whole
+
+
+def test_question_start_refuses_an_input_without_the_question():
+    spec = ruler.task_spec("ruler/vt")
+    with pytest.raises(ValueError, match="no question"):
+        ruler.question_start("Memorize this.\n\nVAR A = 1\nQuestion: x\nmore", spec)
+    with pytest.raises(ValueError, match="no question"):  # within the template's opening
+        ruler.question_start("Memorize.\nQuestion: Find all of it.", spec)
+    text = "Memorize and track the chain(s) of variable assignment.\n\n" + "VAR A = 1. " * 4
+    assert ruler.question_start(text + "\nQuestion: Find all of it.", spec) == len(text)
 
 
 # -- options ----------------------------------------------------------------------------------

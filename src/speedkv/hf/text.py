@@ -104,6 +104,24 @@ def _turn_tokens(tokenizer, messages: list[dict], text: str, ids: list[int]) -> 
     return len(ids) - len(head)
 
 
+def content_prefix_tokens(tokenizer, messages: list[dict], chars: int, ids: list[int]) -> int:
+    """How many of `ids` (the conversation encoded) come before character `chars` of the last
+    message's content: the template up to that content, plus its first `chars` characters,
+    tokenized alone must be a prefix of `ids` (else there is no token boundary there, and
+    ValueError says so). Without a chat template, the content is the raw prompt."""
+    content = messages[-1]["content"][:chars]
+    if getattr(tokenizer, "chat_template", None):
+        marked = [*messages[:-1], {**messages[-1], "content": TURN_MARK}]
+        rendered = tokenizer.apply_chat_template(marked, tokenize=False)
+        before = rendered.partition(TURN_MARK)[0]
+        head = list(tokenizer(before + content, add_special_tokens=False)["input_ids"])
+    else:
+        head = list(tokenizer(content, add_special_tokens=True)["input_ids"])
+    if ids[: len(head)] != head:
+        raise ValueError("the text up to that character does not end on a token boundary")
+    return len(head)
+
+
 def eos_token_ids(tokenizer, hf_config=None, generation_config=None) -> set[int]:
     """Every id that ends generation: the tokenizer's EOS and the model's configured ones."""
     ids: set[int] = set()

@@ -1,0 +1,224 @@
+"""RULER leaderboard: speedkv's methods and kvpress's presses on the same RULER samples.
+
+Runs every sweep the leaderboard needs, each resumable (a stopped run picks up where it was),
+then writes the leaderboard: per-method RULER average in both settings with KV and TTFT ratios,
+per-task tables, and the Pareto plot.
+
+    .venv/bin/python benchmarks/ruler_leaderboard.py --run all --jobs 2   # make ruler-leaderboard
+    .venv/bin/python benchmarks/ruler_leaderboard.py --run base,adapter --jobs 2
+    .venv/bin/python benchmarks/ruler_leaderboard.py --render               # tables and plot only
+
+Sweeps (OUT = --work/MODEL/LENGTH):
+  base      our methods, untrained, question in view (RULER's prompt as it is), SPEED's cutoffs
+            and every peer at SPEED-22's KV ratio (0.733)
+  adapter   full and SPEED with the shipped SPEED-aware adapter merged (its rows kept apart:
+            the adapter was trained on Paul Graham essays, RULER's haystack)
+  agnostic  full and SPEED with each sample's context cached before its question is seen
+            (--query-agnostic); the other methods choose their cache with the question in view
+            and cannot run so
+  kvpress   kvpress's presses through its own pipeline (benchmarks/kvpress_peer.py, in
+            .venv-kvpress: make kvpress-venv), both settings, at SPEED-22's KV ratio: SnapKV,
+            ExpectedAttention, StreamingLLM, TOVA and Knorm, and press=None (its ceiling)
+  kvzip     kvpress's KVzip the same way (it replays the context to score it: about five
+            prefills a sample)
+  ttft      a quiet `speedkv bench` at the length: the TTFT ratios the table shows for our
+            methods (the sweeps' own per-sample ratios are taken on a shared CPU)
+
+--jobs N splits each sweep's tasks into N processes of one thread each (keep N for a sweep's
+life: a stopped sweep resumes with the same task groups). Only `ttft` needs the CPU to itself.
+"""
+
+from __future__ import annotations
+
+import argparse
+import shlex
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from speedkv.evals import leaderboard as lb
+from speedkv.evals import ruler
+
+ROOT = Path(__file__).resolve().parent.parent
+KV = 0.733  # SPEED-22's KV ratio on SmolLM2 (22 of 30 layers hold the prompt)
+# deep=1 spelled out: the paper's suffix, whatever speedkv's default deep suffix is
+SPEED22 = "speed:lcut=22,anchors=bos,deep=1"
+SPEED26 = "speed:lcut=26,anchors=bos,deep=1"
+SPEED22_DEEP64 = "speed:lcut=22,anchors=bos,deep=64"  # the last 64 prompt tokens deep
+PEERS = [
+    f"snapkv:retain={KV},gqa=true",  # one copy per KV head: equal KV (gqa=false keeps 3)
+    f"streamingllm:window={KV}",
+    "pop:lcut=22",
+    "swiftkv:k=22",
+    f"fastkv:retain={KV}",
+    f"specprefill:keep={KV}",
+    f"gemfilter:retain={KV}",
+    f"h2o:heavy={KV / 2:.4f},recent={KV / 2:.4f}",
+    "pyramidinfer",
+]
+ADAPTER = "adapters/smollm2-135m-speed22-bos"
+SPEEDKV = str(Path(sys.executable).with_name("speedkv"))  # this environment's CLI
+KVPRESS_PRESSES = "snapkv,expected_attention,streaming_llm,tova,knorm"
+KVZIP = "kvzip"  # a sweep of its own: it replays the context to score it, ~5x a prefill
+
+
+@dataclass
+class Sweep:
+    name: str
+    methods: list[str]
+    args: list[str] = field(default_factory=list)
+    peer: bool = False  # kvpress, not speedkv eval
+
+
+def sweeps(model: str) -> dict[str, Sweep]:
+    return {
+        "base": Sweep("base", ["full", SPEED22, SPEED26, *PEERS, SPEED22_DEEP64]),
+        "adapter": Sweep("adapter", ["full", SPEED22, SPEED22_DEEP64], ["--adapter", ADAPTER]),
+        "agnostic": Sweep("agnostic", ["full", SPEED22, SPEED26], ["--query-agnostic"]),
+        "kvpress": Sweep("kvpress", [KVPRESS_PRESSES], peer=True),
+        "kvzip": Sweep("kvzip", [KVZIP], peer=True),
+    }
+
+
+def task_parts(jobs: int) -> list[list[str]]:
+    """RULER's tasks in `jobs` runs of consecutive tasks, in RULER's order (a stopped sweep
+    resumes only with the same groups, so they never change for a given N)."""
+    size = -(-len(ruler.TASKS) // jobs)
+    return [list(ruler.TASKS[i : i + size]) for i in range(0, len(ruler.TASKS), size)]
+
+
+def part_dirs(work: Path, sweep: str, jobs: int) -> list[Path]:
+    return [work / f"{sweep}-{i + 1}of{jobs}" for i in range(jobs)]
+
+
+def eval_command(model: str, length: int, samples: int, sweep: Sweep, tasks: list[str], out: Path):
+    return [
+        SPEEDKV, "eval", "--model", model,
+        "--methods", ";".join(sweep.methods), "--tasks", ",".join(tasks),
+        "--lengths", str(length), "--samples", f"ruler={samples}", "--seed", "0",
+        "--threads", "1", "--out", str(out), "--resume", *sweep.args,
+    ]  # fmt: skip
+
+
+def kvpress_command(args, sweep: Sweep, tasks: list[str], out: Path) -> list[str]:
+    return [
+        sys.executable, str(ROOT / "benchmarks" / "kvpress_peer.py"),
+        "--kvpress-python", args.kvpress_python, "--model", args.model,
+        "--tasks", ",".join(tasks), "--length", str(args.length),
+        "--samples", str(args.samples), "--presses", ",".join(sweep.methods),
+        "--ratios", f"{1 - KV:.3f}", "--settings", "aware,agnostic",
+        "--threads", "1", "--out", str(out), "--resume",
+    ]  # fmt: skip
+
+
+def run_sweep(args, sweep: Sweep, work: Path) -> None:
+    """One sweep, its task groups in parallel processes; each logs to OUT.log."""
+    procs = []
+    for tasks, out in zip(task_parts(args.jobs), part_dirs(work, sweep.name, args.jobs)):
+        out.parent.mkdir(parents=True, exist_ok=True)
+        command = (
+            kvpress_command(args, sweep, tasks, out)
+            if sweep.peer
+            else eval_command(args.model, args.length, args.samples, sweep, tasks, out)
+        )
+        print(f"[{sweep.name}] {shlex.join(command)}", file=sys.stderr)
+        log = open(out.with_suffix(".log"), "a")  # noqa: SIM115  (closed when it ends)
+        procs.append((subprocess.Popen(command, stdout=log, stderr=log, cwd=ROOT), log, out))
+    failed = []
+    for proc, log, out in procs:
+        if proc.wait() != 0:
+            failed.append(str(out.with_suffix(".log")))
+        log.close()
+    if failed:
+        raise SystemExit(f"[{sweep.name}] failed; see {', '.join(failed)}")
+
+
+def run_ttft(args, work: Path, methods: list[str]) -> None:
+    command = [
+        SPEEDKV, "bench", "--model", args.model,
+        "--methods", ";".join(methods), "--lengths", str(args.length),
+        "--max-new-tokens", "4", "--repeats", "3", "--out", str(work / "ttft"),
+    ]  # fmt: skip
+    print(f"[ttft] {shlex.join(command)}", file=sys.stderr)
+    subprocess.run(command, check=True, cwd=ROOT)
+
+
+def render(args, work: Path, out: Path) -> None:
+    dirs = sorted(p.parent for p in work.glob("*/records.jsonl"))
+    if not dirs:
+        raise SystemExit(f"no runs under {work}: run some sweeps first (--run base)")
+    ttft_file = work / "ttft" / "results.json"
+    ttft = lb.bench_ttft(ttft_file) if ttft_file.exists() else None
+    rows = lb.rows_from_runs(dirs, ttft)
+    out.mkdir(parents=True, exist_ok=True)
+    title = f"{args.model}, RULER at {args.length} tokens"
+    plot = lb.plot_pareto(rows, args.length, out / "pareto.png", title)
+    parts = [
+        f"# {title}\n",
+        f"Generated {time.strftime('%Y-%m-%d %H:%M')} by `benchmarks/ruler_leaderboard.py "
+        f"--render` from {len(dirs)} runs under {work}. Scores in percent (RULER's metric per "
+        "task; the average is the mean of the 13 tasks, given once every task has samples). "
+        "KV x: cache held at the first token against full attention's on the same prompts. "
+        "TTFT x: "
+        + ("from a quiet `speedkv bench` at this length for speedkv's methods; " if ttft else "")
+        + "values marked * are medians of the per-sample ratios in the sweeps (kvpress's "
+        "against its own pipeline without a press).\n",
+        "## Leaderboard\n",
+        lb.leaderboard_table(rows, args.length),
+    ]
+    for setting in (lb.AWARE, lb.AGNOSTIC):
+        if any(r.setting == setting and r.length == args.length for r in rows):
+            parts += [f"## Per task, {lb.SETTING_LABELS[setting]}\n"]
+            parts += [lb.task_table(rows, args.length, setting)]
+    if plot:
+        parts += ["## Pareto front\n", f"![RULER against KV and TTFT]({plot.name})\n"]
+    hours = sum(r.seconds for r in rows) / 3600
+    parts += [f"Samples' wall time, all rows: {hours:.1f} h (CPU shared by the parallel parts).\n"]
+    (out / "leaderboard.md").write_text("\n".join(parts))
+    import json
+
+    (out / "results.json").write_text(json.dumps(lb.to_json(rows), indent=1))
+    print(out / "leaderboard.md")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("--model", default="smollm2-135m")
+    parser.add_argument("--length", type=int, default=4096, help="RULER length (prompt + answer)")
+    parser.add_argument("--samples", type=int, default=20, help="samples per task")
+    parser.add_argument(
+        "--run", default="", help="sweeps to run, comma-separated: base, adapter, agnostic, "
+        "kvpress, kvzip, ttft, or all (default: none, only --render)"
+    )  # fmt: skip
+    parser.add_argument("--jobs", type=int, default=2, help="parallel processes per sweep")
+    parser.add_argument("--kvpress-python", default=".venv-kvpress/bin/python")
+    parser.add_argument("--work", type=Path, default=Path("runs/ruler-leaderboard"))
+    parser.add_argument(
+        "--out", type=Path, default=None, help="default benchmarks/ruler/MODEL-LENGTH"
+    )
+    parser.add_argument("--render", action="store_true", help="write the leaderboard")
+    args = parser.parse_args()
+    work = args.work / args.model / str(args.length)
+    plan = sweeps(args.model)
+    wanted = [s.strip() for s in args.run.split(",") if s.strip()]
+    if wanted == ["all"]:
+        wanted = [*plan, "ttft"]
+    unknown = [w for w in wanted if w not in plan and w != "ttft"]
+    if unknown:
+        parser.error(f"unknown sweep {', '.join(unknown)}; known: {', '.join(plan)}, ttft")
+    for name in wanted:
+        if name == "ttft":
+            ours = [m for s in plan.values() if not s.peer for m in s.methods]
+            run_ttft(args, work, list(dict.fromkeys(ours)))
+        else:
+            run_sweep(args, plan[name], work)
+    if args.render or not wanted:
+        render(args, work, args.out or Path("benchmarks/ruler") / f"{args.model}-{args.length}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,359 @@
+"""RULER leaderboard: every method's score per task and on average, beside what it costs.
+
+Rows come from the records of any number of runs: `speedkv eval --tasks ruler` (our methods,
+with or without an adapter, question in view or not) and benchmarks/kvpress_peer.py (kvpress's
+presses, in the same record shape). A row is one (method, adapter, setting, length); its
+average is RULER's own, the mean of its 13 task scores, and is only given when every task has
+samples. Its cost is the KV held at the first token and the TTFT, each against full attention
+on the same prompts.
+
+Settings: *query-aware* means the question is in view when the cache is made (RULER's prompt
+as it is: the question follows the context); *query-agnostic* means the context is cached
+first, without its question, as a document that later questions reuse.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import statistics
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from speedkv.evals import ruler
+from speedkv.evals.report import summarise
+
+AWARE, AGNOSTIC = "aware", "agnostic"
+SETTING_LABELS = {AWARE: "query-aware", AGNOSTIC: "query-agnostic"}
+
+# names people know the methods by, for tables and plots
+NAMES = {
+    "full": "full attention",
+    "speed": "SPEED",
+    "pop": "POP",
+    "swiftkv": "SwiftKV",
+    "fastkv": "FastKV",
+    "specprefill": "SpecPrefill",
+    "gemfilter": "GemFilter",
+    "snapkv": "SnapKV",
+    "streamingllm": "StreamingLLM",
+    "h2o": "H2O",
+    "pyramidinfer": "PyramidInfer",
+}
+KVPRESS_NAMES = {
+    "snapkv": "SnapKV",
+    "expected_attention": "ExpectedAttention",
+    "streaming_llm": "StreamingLLM",
+    "tova": "TOVA",
+    "knorm": "Knorm",
+    "kvzip": "KVzip",
+    "none": "no press",
+}
+
+
+@dataclass
+class Row:
+    """One method's RULER at one length, in one setting."""
+
+    method: str  # the run's spec, e.g. speed:lcut=22,... or kvpress:snapkv,ratio=0.267,...
+    engine: str  # speedkv or kvpress
+    adapter: str | None
+    setting: str  # AWARE or AGNOSTIC
+    length: int
+    scores: dict[str, float]  # task -> mean score, a fraction
+    counts: dict[str, int]  # task -> samples
+    kv_ratio: float
+    ttft_ratio: float
+    ttft_source: str = "records"  # records (median per-sample ratio) or bench (quiet run)
+    seconds: float = 0.0  # wall time of every sample, all tasks
+    extra: dict = field(default_factory=dict)
+
+    @property
+    def complete(self) -> bool:
+        return all(self.counts.get(t, 0) > 0 for t in ruler.TASKS)
+
+    @property
+    def average(self) -> float | None:
+        """RULER's average: the mean of the 13 task scores (None until every task has one)."""
+        if not self.complete:
+            return None
+        return statistics.fmean(self.scores[t] for t in ruler.TASKS)
+
+    @property
+    def min_samples(self) -> int:
+        return min((self.counts.get(t, 0) for t in ruler.TASKS), default=0)
+
+    @property
+    def label(self) -> str:
+        return method_label(self.method, self.engine) + (" + adapter" if self.adapter else "")
+
+
+def method_label(method: str, engine: str = "speedkv") -> str:
+    """A short name: SPEED-22, SPEED-22 deep=64, SnapKV, kvpress SnapKV, ..."""
+    name, _, options = method.partition(":")
+    opts = dict(o.split("=", 1) for o in options.split(",") if "=" in o)
+    if engine == "kvpress":  # kvpress:<press>,ratio=...
+        press = options.split(",")[0]
+        return "kvpress " + KVPRESS_NAMES.get(press, press)
+    label = NAMES.get(name, name)
+    if name == "speed":
+        label += f"-{opts.get('lcut', '?')}"
+        if opts.get("deep", "1") != "1":
+            label += f" deep={opts['deep']}"
+        if opts.get("anchors", "bos") != "bos":
+            label += f" {opts['anchors']}"
+    elif name in ("pop", "swiftkv"):
+        label += f"-{opts.get('lcut', opts.get('k', '?'))}"
+    return label
+
+
+def without_setting(method: str) -> str:
+    """A spec without its `setting=` option: both settings of a method share a table row."""
+    name, _, options = method.partition(":")
+    kept = [o for o in options.split(",") if o and not o.startswith("setting=")]
+    return name + (":" + ",".join(kept) if kept else "")
+
+
+# -- reading runs ------------------------------------------------------------------------------
+def read_run(directory: Path) -> tuple[dict, list[dict]]:
+    """A run's header and its RULER records (a line cut short by a killed run is skipped)."""
+    header: dict = {}
+    records = []
+    path = directory / "records.jsonl"
+    for line in path.read_text().splitlines():
+        try:
+            item = json.loads(line)
+        except json.JSONDecodeError:
+            continue
+        if "header" in item:
+            header = item["header"]
+        elif ruler.is_ruler(item.get("task", "")):
+            records.append(item)
+    return header, records
+
+
+def rows_from_runs(
+    directories: Iterable[Path], ttft: dict[tuple[str, int], float] | None = None
+) -> list[Row]:
+    """One row per (engine, adapter, setting, method, length) over all the runs; a sample
+    recorded by several runs (parts of one sweep that overlap) counts once, its latest.
+    `ttft` maps (method, length) to a TTFT ratio from a quiet benchmark run, which replaces
+    the per-sample ratios of a sweep that shared the CPU."""
+    groups: dict[tuple, dict[tuple, dict]] = {}
+    for directory in directories:
+        header, records = read_run(Path(directory))
+        engine = header.get("engine") or header.get("peer") or "speedkv"
+        adapter = header.get("adapter")
+        for r in records:
+            setting = r.get("setting", header.get("setting", AWARE))
+            key = (engine, adapter, setting, without_setting(r["method"]), r["length"])
+            groups.setdefault(key, {})[(r["task"], r["sample"])] = r
+    rows = []
+    for (engine, adapter, setting, method, length), by_sample in groups.items():
+        records = list(by_sample.values())
+        tasks = [t for t in ruler.TASKS if any(r["task"] == t for r in records)]
+        summary = summarise(records, [method], tasks)
+        per_task = {s["task"]: s for s in summary if s["task"] != ruler.GROUP}
+        row = Row(
+            method=method,
+            engine=engine,
+            adapter=adapter,
+            setting=setting,
+            length=length,
+            scores={t: s["score"] for t, s in per_task.items()},
+            counts={t: s["n"] for t, s in per_task.items()},
+            kv_ratio=statistics.fmean(r["kv_ratio"] for r in records),
+            ttft_ratio=statistics.median(r["ttft_ratio"] for r in records),
+            seconds=sum(r.get("seconds", 0.0) for r in records),
+        )
+        if ttft and (method, length) in ttft and engine == "speedkv":
+            row.ttft_ratio, row.ttft_source = ttft[(method, length)], "bench"
+        rows.append(row)
+    return sorted(rows, key=_row_order)
+
+
+def _row_order(row: Row) -> tuple:
+    average = row.average
+    return (
+        row.length,
+        row.setting != AWARE,
+        row.engine != "speedkv",
+        row.adapter is not None,
+        -(average if average is not None else -1.0),
+        row.method,
+    )
+
+
+def bench_ttft(path: Path) -> dict[tuple[str, int], float]:
+    """TTFT ratios against full from a `speedkv bench` results.json: (method, length) -> x."""
+    data = json.loads(Path(path).read_text())
+    return {(c["method"], int(c["length"])): float(c["ttft_ratio"]) for c in data["cells"]}
+
+
+# -- the Pareto front --------------------------------------------------------------------------
+def pareto_front(points: list[tuple[float, float]]) -> list[int]:
+    """Indices of the points no other point beats: none has a lower (or equal) cost with a
+    higher (or equal) score, one of the two strictly. Cost on x, score on y."""
+    front = []
+    for i, (x, y) in enumerate(points):
+        dominated = any(
+            (x2 <= x and y2 >= y) and (x2 < x or y2 > y)
+            for j, (x2, y2) in enumerate(points)
+            if j != i
+        )
+        if not dominated:
+            front.append(i)
+    return sorted(front, key=lambda i: points[i][0])
+
+
+# -- tables ------------------------------------------------------------------------------------
+def _pct(value: float | None) -> str:
+    return "–" if value is None or math.isnan(value) else f"{100 * value:.1f}"
+
+
+def leaderboard_table(rows: list[Row], length: int) -> str:
+    """The headline table at one length: a row per method and adapter, its average in each
+    setting, KV and TTFT ratios; best-first within the untrained, trained and kvpress rows."""
+    mine = [r for r in rows if r.length == length]
+    partial = sorted(
+        {r.label for r in mine if r.average is None}
+        - {r.label for r in mine if r.average is not None}
+    )
+    mine = [r for r in mine if r.label not in partial]
+    keys = list(dict.fromkeys((r.engine, r.adapter, r.method) for r in mine))
+    lines = [
+        "| method | adapter | KV x | TTFT x | RULER avg, query-aware | RULER avg, query-agnostic "
+        "| samples per task |",
+        "|---|---|---:|---:|---:|---:|---:|",
+    ]
+    for engine, adapter, method in keys:
+        both = {
+            r.setting: r
+            for r in mine
+            if (r.engine, r.adapter, r.method) == (engine, adapter, method)
+        }
+        first = both.get(AWARE) or both[AGNOSTIC]
+        samples = sorted({r.min_samples for r in both.values()})
+        ttft = f"{first.ttft_ratio:.3f}" + ("" if first.ttft_source == "bench" else "*")
+        lines.append(
+            f"| {first.label} (`{_short_spec(method)}`) | {_adapter_cell(adapter)} "
+            f"| {first.kv_ratio:.3f} | {ttft} "
+            f"| {_pct(both[AWARE].average) if AWARE in both else '–'} "
+            f"| {_pct(both[AGNOSTIC].average) if AGNOSTIC in both else '–'} "
+            f"| {'/'.join(str(s) for s in samples)} |"
+        )
+    if partial:  # a row is ranked once every task has a sample
+        lines.append(f"\nNot every task measured yet: {', '.join(partial)}.")
+    return "\n".join(lines) + "\n"
+
+
+def task_table(rows: list[Row], length: int, setting: str) -> str:
+    """Per-task scores (percent) in one setting at one length."""
+    mine = [r for r in rows if r.length == length and r.setting == setting]
+    names = [ruler.ruler_name(t) for t in ruler.TASKS]
+    lines = [
+        "| method | adapter | " + " | ".join(names) + " | avg |",
+        "|---|---|" + "---:|" * (len(names) + 1),
+    ]
+    for r in mine:
+        cells = [_pct(r.scores.get(t)) if r.counts.get(t) else "–" for t in ruler.TASKS]
+        lines.append(
+            f"| {r.label} | {_adapter_cell(r.adapter)} | "
+            + " | ".join(cells)
+            + f" | {_pct(r.average)} |"
+        )
+    return "\n".join(lines) + "\n"
+
+
+def _adapter_cell(adapter: str | None) -> str:
+    return Path(adapter).name if adapter else "none"
+
+
+def _short_spec(method: str) -> str:
+    """The spec without options at their defaults that every row shares."""
+    return method.replace(",selfonly=false", "")
+
+
+# -- the plot ----------------------------------------------------------------------------------
+def plot_pareto(rows: list[Row], length: int, path: Path, title: str = "") -> Path | None:
+    """RULER average against KV ratio and against TTFT ratio, a panel each, per setting; the
+    Pareto front joined, SPEED's points as stars, trained rows filled darker."""
+    mine = [r for r in rows if r.length == length and r.average is not None]
+    if not mine:
+        return None
+    from speedkv.evals.report import _pyplot
+
+    plt = _pyplot()
+    fig, axes = plt.subplots(1, 2, figsize=(12, 5.2), sharey=True)
+    for ax, (cost, xlabel) in zip(
+        axes,
+        (
+            ("kv_ratio", "KV cache at the first token, x full"),
+            ("ttft_ratio", "TTFT, x full (each engine against its own full attention)"),
+        ),
+    ):
+        for setting, colour in ((AWARE, "tab:blue"), (AGNOSTIC, "tab:orange")):
+            points = [r for r in mine if r.setting == setting]
+            if not points:
+                continue
+            xy = [(getattr(r, cost), 100 * r.average) for r in points]
+            front = pareto_front(xy)
+            ax.plot(
+                [xy[i][0] for i in front],
+                [xy[i][1] for i in front],
+                "-",
+                color=colour,
+                alpha=0.5,
+                label=f"Pareto front, {SETTING_LABELS[setting]}",
+            )
+            for r, (x, y) in zip(points, xy):
+                star = r.method.startswith("speed")
+                ax.scatter(
+                    x,
+                    y,
+                    s=150 if star else 36,
+                    marker="*" if star else ("s" if r.engine == "kvpress" else "o"),
+                    color=colour,
+                    edgecolors="black" if r.adapter else colour,
+                    linewidths=1.2 if r.adapter else 0.5,
+                    zorder=3,
+                )
+                ax.annotate(
+                    r.label, (x, y), fontsize=6.5, xytext=(4, 3), textcoords="offset points"
+                )
+        ax.set_xlabel(xlabel)
+        ax.grid(alpha=0.3)
+    axes[0].set_ylabel(f"RULER average at {length} tokens, %")
+    axes[0].legend(fontsize=7, loc="lower right")
+    fig.suptitle(
+        (title + "\n" if title else "")
+        + "stars: SPEED; squares: kvpress presses; black edge: with a SPEED-aware adapter",
+        fontsize=9,
+    )
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return path
+
+
+def to_json(rows: list[Row]) -> list[dict]:
+    return [
+        {
+            "method": r.method,
+            "label": r.label,
+            "engine": r.engine,
+            "adapter": r.adapter,
+            "setting": r.setting,
+            "length": r.length,
+            "average": r.average,
+            "scores": r.scores,
+            "counts": r.counts,
+            "kv_ratio": r.kv_ratio,
+            "ttft_ratio": r.ttft_ratio,
+            "ttft_source": r.ttft_source,
+            "seconds": r.seconds,
+        }
+        for r in rows
+    ]

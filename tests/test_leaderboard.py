@@ -1,0 +1,162 @@
+"""The RULER leaderboard: rows merged over runs, RULER's average, the Pareto front, tables."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from speedkv.evals import leaderboard as lb
+from speedkv.evals import ruler
+
+SPEED = "speed:lcut=22,anchors=bos,deep=1,selfonly=false"
+
+
+def record(method: str, task: str, sample: int, score: float, **extra) -> dict:
+    return {
+        "method": method,
+        "task": task,
+        "length": 4096,
+        "sample": sample,
+        "prompt_tokens": 3900,
+        "metric": "string_match_all",
+        "score": score,
+        "kv_ratio": extra.pop("kv_ratio", 1.0),
+        "ttft_ratio": extra.pop("ttft_ratio", 1.0),
+        "seconds": 2.0,
+        **extra,
+    }
+
+
+def write_run(directory: Path, header: dict, records: list[dict]) -> Path:
+    directory.mkdir(parents=True)
+    lines = [json.dumps({"header": header})] + [json.dumps(r) for r in records]
+    (directory / "records.jsonl").write_text("\n".join(lines) + "\n")
+    return directory
+
+
+def test_rows_merge_the_parts_of_a_sweep_and_average_all_13_tasks(tmp_path: Path) -> None:
+    first, second = ruler.TASKS[:7], ruler.TASKS[7:]
+    a = write_run(
+        tmp_path / "a",
+        {"adapter": None},
+        [record("full", t, i, 1.0) for t in first for i in range(2)]
+        + [
+            record(SPEED, t, i, 0.0, kv_ratio=0.733, ttft_ratio=0.7)
+            for t in first
+            for i in range(2)
+        ],
+    )
+    b = write_run(
+        tmp_path / "b",
+        {"adapter": None},
+        [record("full", t, i, 0.5) for t in second for i in range(2)]
+        + [record(SPEED, t, 0, 1.0, kv_ratio=0.733, ttft_ratio=0.8) for t in second],
+    )
+    rows = {r.method: r for r in lb.rows_from_runs([a, b])}
+    full, speed = rows["full"], rows[SPEED]
+    assert full.complete and full.min_samples == 2
+    assert full.average == pytest.approx((7 * 1.0 + 6 * 0.5) / 13)  # mean of task means
+    assert speed.average == pytest.approx(6 / 13)
+    assert speed.min_samples == 1 and speed.kv_ratio == pytest.approx(0.733)
+    assert speed.label == "SPEED-22" and speed.setting == lb.AWARE
+
+
+def test_a_row_missing_a_task_has_no_average(tmp_path: Path) -> None:
+    run = write_run(tmp_path / "r", {}, [record("full", t, 0, 1.0) for t in ruler.TASKS[:-1]])
+    (row,) = lb.rows_from_runs([run])
+    assert not row.complete and row.average is None
+    table = lb.leaderboard_table([row], 4096)
+    assert "| full attention" not in table  # not ranked on 12 tasks
+    assert "Not every task measured yet: full attention." in table
+
+
+def test_adapter_and_settings_are_rows_of_their_own(tmp_path: Path) -> None:
+    base = write_run(tmp_path / "base", {}, [record(SPEED, t, 0, 0.0) for t in ruler.TASKS])
+    trained = write_run(
+        tmp_path / "trained",
+        {"adapter": "adapters/smollm2-135m-speed22-bos"},
+        [record(SPEED, t, 0, 1.0) for t in ruler.TASKS],
+    )
+    agnostic = write_run(
+        tmp_path / "agnostic",
+        {"setting": "agnostic"},
+        [record(SPEED, t, 0, 0.5, setting="agnostic") for t in ruler.TASKS],
+    )
+    rows = lb.rows_from_runs([base, trained, agnostic])
+    assert {(r.adapter, r.setting, r.average) for r in rows} == {
+        (None, lb.AWARE, 0.0),
+        ("adapters/smollm2-135m-speed22-bos", lb.AWARE, 1.0),
+        (None, lb.AGNOSTIC, 0.5),
+    }
+    table = lb.leaderboard_table(rows, 4096)
+    # one line per (method, adapter): both settings of the untrained SPEED share one
+    assert table.count("SPEED-22 (") == 1 and table.count("SPEED-22 + adapter") == 1
+    assert "| 0.0 | 50.0 |" in table
+
+
+def test_kvpress_settings_share_a_line(tmp_path: Path) -> None:
+    records = [
+        record(f"kvpress:snapkv,ratio=0.267,setting={s}", t, 0, score, setting=s)
+        for s, score in (("aware", 1.0), ("agnostic", 0.0))
+        for t in ruler.TASKS
+    ]
+    run = write_run(tmp_path / "kv", {"engine": "kvpress"}, records)
+    rows = lb.rows_from_runs([run])
+    assert {r.method for r in rows} == {"kvpress:snapkv,ratio=0.267"}
+    assert {r.label for r in rows} == {"kvpress SnapKV"}
+    assert lb.leaderboard_table(rows, 4096).count("kvpress SnapKV") == 1
+
+
+def test_a_quiet_bench_replaces_the_sweeps_ttft_ratio(tmp_path: Path) -> None:
+    run = write_run(
+        tmp_path / "r", {}, [record(SPEED, t, 0, 1.0, ttft_ratio=0.9) for t in ruler.TASKS]
+    )
+    bench = tmp_path / "results.json"
+    bench.write_text(json.dumps({"cells": [{"method": SPEED, "length": 4096, "ttft_ratio": 0.72}]}))
+    (row,) = lb.rows_from_runs([run], lb.bench_ttft(bench))
+    assert row.ttft_ratio == pytest.approx(0.72) and row.ttft_source == "bench"
+    assert "0.720 |" in lb.leaderboard_table([row], 4096)  # no * : a quiet measurement
+
+
+def test_pareto_front() -> None:
+    points = [(1.0, 0.30), (0.73, 0.04), (0.80, 0.50), (0.90, 0.50), (0.73, 0.02)]
+    # (0.90, 0.50) costs more for the same score; (0.73, 0.02) scores less at the same cost
+    assert lb.pareto_front(points) == [1, 2]
+    assert lb.pareto_front([(0.5, 0.5)]) == [0]
+
+
+@pytest.mark.parametrize(
+    ("method", "engine", "label"),
+    [
+        ("full", "speedkv", "full attention"),
+        (SPEED, "speedkv", "SPEED-22"),
+        ("speed:lcut=22,anchors=bos,deep=64,selfonly=false", "speedkv", "SPEED-22 deep=64"),
+        ("pop:lcut=22", "speedkv", "POP-22"),
+        ("snapkv:retain=0.733,window=32", "speedkv", "SnapKV"),
+        ("kvpress:expected_attention,ratio=0.267", "kvpress", "kvpress ExpectedAttention"),
+    ],
+)
+def test_method_labels(method: str, engine: str, label: str) -> None:
+    assert lb.method_label(method, engine) == label
+
+
+def test_a_line_cut_short_by_a_killed_run_is_skipped(tmp_path: Path) -> None:
+    run = write_run(tmp_path / "r", {}, [record("full", t, 0, 1.0) for t in ruler.TASKS])
+    with (run / "records.jsonl").open("a") as f:
+        f.write('{"method": "full", "task": "ruler/vt", "len')
+    header, records = lb.read_run(run)
+    assert len(records) == 13
+
+
+def test_plot_is_written(tmp_path: Path) -> None:
+    run = write_run(
+        tmp_path / "r",
+        {},
+        [record("full", t, 0, 1.0) for t in ruler.TASKS]
+        + [record(SPEED, t, 0, 0.5, kv_ratio=0.733, ttft_ratio=0.7) for t in ruler.TASKS],
+    )
+    path = lb.plot_pareto(lb.rows_from_runs([run]), 4096, tmp_path / "p.png", "test")
+    assert path is not None and path.stat().st_size > 10_000
+    assert lb.plot_pareto([], 4096, tmp_path / "none.png") is None
