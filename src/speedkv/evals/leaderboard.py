@@ -22,7 +22,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from speedkv.evals import ruler
-from speedkv.evals.report import summarise
+from speedkv.evals.report import ruler_score, summarise
 
 AWARE, AGNOSTIC = "aware", "agnostic"
 SETTING_LABELS = {AWARE: "query-aware", AGNOSTIC: "query-agnostic"}
@@ -209,7 +209,7 @@ def pareto_front(points: list[tuple[float, float]]) -> list[int]:
 
 # -- tables ------------------------------------------------------------------------------------
 def _pct(value: float | None) -> str:
-    return "–" if value is None or math.isnan(value) else f"{100 * value:.1f}"
+    return "–" if value is None or math.isnan(value) else ruler_score(value)
 
 
 def leaderboard_table(rows: list[Row], length: int) -> str:
