@@ -15,8 +15,11 @@ It runs from the source tree (nothing is installed; the engine's tests pass on t
 - `efficiency.json`: TTFT, TPOT (64 new tokens) and KV bytes per method and prompt length,
   batch 1, with same-run ratios against `full` and SPEED's layer limits; a length or method
   that runs out of memory or past the time budget is recorded as such,
+- `attention.json`: one decode query's attention over one layer's cache at the shortest and
+  longest length, by the engine's kernel and by torch's fused attention with each backend,
 - `profile.json`: torch's profiler over one prefill and one decode step per method: the
-  operators that took the most device time, and how often the host waited for the device.
+  operators that took the most device time, and how often the host waited for the device;
+  and a decode step's time to issue against its time to finish.
 
 Time does not depend on the weights' values, so random weights measure what a trained model
 would cost. `pytest` must be importable; `--wheels DIR` installs it from wheel files there
@@ -26,6 +29,7 @@ first when it is not (a lent GPU machine reaches no package index).
 from __future__ import annotations
 
 import argparse
+import functools
 import importlib.util
 import json
 import os
@@ -40,6 +44,11 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "src"))
 
+from speedkv.core.attention import (  # noqa: E402
+    decode_attention,
+    fused_decode_attention,
+    matmul_decode_attention,
+)
 from speedkv.core.engine import Engine, Request  # noqa: E402
 from speedkv.core.registry import make_policy  # noqa: E402
 from speedkv.core.sampling import SamplingParams  # noqa: E402
@@ -86,7 +95,7 @@ TINY_LENGTHS = [64, 128]
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--out", type=Path, required=True, help="folder the JSON results go to")
+    p.add_argument("--out", type=Path, help="folder the JSON results go to")
     p.add_argument("--device", default="cuda")
     p.add_argument("--tiny", action="store_true", help="a tiny shape and short prompts")
     p.add_argument("--lengths", help="prompt lengths, comma-separated (default by shape)")
@@ -97,9 +106,27 @@ def main(argv: list[str] | None = None) -> int:
         default=420.0,
         help="seconds the efficiency part may take; later runs are skipped",
     )
-    p.add_argument("--skip", default="", help="parts to skip: exactness, efficiency, profile")
+    p.add_argument(
+        "--tests-timeout-s",
+        type=float,
+        help="seconds the reference tests may take before they are stopped (default: no limit)",
+    )
+    p.add_argument(
+        "--skip", default="", help="parts to skip: exactness, efficiency, attention, profile"
+    )
     p.add_argument("--wheels", type=Path, help="wheel files to install pytest from")
+    p.add_argument(
+        "--table",
+        type=Path,
+        metavar="EFFICIENCY_JSON",
+        help="print an efficiency.json from an earlier run as a markdown table, and stop",
+    )
     args = p.parse_args(argv)
+    if args.table:
+        print(efficiency_table(json.loads(args.table.read_text())))
+        return 0
+    if args.out is None:
+        p.error("--out is required")
     args.out.mkdir(parents=True, exist_ok=True)
     skip = {s.strip() for s in args.skip.split(",") if s.strip()}
     facts = machine(args.device)
@@ -109,7 +136,7 @@ def main(argv: list[str] | None = None) -> int:
     )
     if "exactness" not in skip:
         write(args.out / "exactness.json", {**facts, **exactness(args)})
-    if skip >= {"efficiency", "profile"}:
+    if skip >= {"efficiency", "attention", "profile"}:
         return 0
     shape = TINY_SHAPE if args.tiny else PAPER_SHAPE
     lengths = (
@@ -124,8 +151,15 @@ def main(argv: list[str] | None = None) -> int:
     lcut = shape["num_hidden_layers"] * 3 // 4  # the paper's 24 of 32
     methods = ["full", f"speed:lcut={lcut},anchors=bos"]
     if "efficiency" not in skip:
-        result = efficiency(model, methods, lengths, new, args.budget_s)
-        write(args.out / "efficiency.json", {**facts, "shape": shape, **result})
+        path = args.out / "efficiency.json"
+        result = efficiency(
+            model, methods, lengths, new, args.budget_s,
+            save=lambda partial: path.write_text(json.dumps({**facts, "shape": shape, **partial})),
+        )  # fmt: skip
+        write(path, {**facts, "shape": shape, **result})
+    if "attention" not in skip:
+        result = decode_attention_kernels(shape, [min(lengths), max(lengths)], args.device)
+        write(args.out / "attention.json", {**facts, **result})
     if "profile" not in skip:
         write(args.out / "profile.json", {**facts, **profile(model, methods, min(lengths))})
     return 0
@@ -165,8 +199,18 @@ def exactness(args) -> dict:
         f"--junitxml={report}",
     ]
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT / "src"), str(ROOT / "tests")])}
+    if args.device != "cpu":  # the native kernels are CPU code: not built where they never run
+        env["SPEEDKV_KERNELS"] = "torch"
     start = time.perf_counter()
-    done = subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True)
+    try:
+        done = subprocess.run(
+            command, cwd=ROOT, env=env, capture_output=True, text=True,
+            timeout=args.tests_timeout_s,
+        )  # fmt: skip
+        returncode, tail = done.returncode, done.stdout[-3000:] if done.returncode else ""
+    except subprocess.TimeoutExpired as stopped:
+        out = stopped.stdout.decode() if isinstance(stopped.stdout, bytes) else stopped.stdout
+        returncode, tail = "timeout", (out or "")[-3000:]
     seconds = time.perf_counter() - start
     outcomes = read_junit(report) if report.exists() else {}
     failed = {name: why for name, why in outcomes.items() if why not in ("passed", "skipped")}
@@ -175,9 +219,9 @@ def exactness(args) -> dict:
         "skipped": sum(why == "skipped" for why in outcomes.values()),
         "failed": len(failed),
         "seconds": round(seconds, 1),
-        "returncode": done.returncode,
+        "returncode": returncode,
         "failures": failed,
-        "tail": done.stdout[-3000:] if done.returncode else "",
+        "tail": tail,
     }
     report.unlink(missing_ok=True)
     log(
@@ -237,14 +281,22 @@ def prompt(length: int, vocab: int, seed: int) -> list[int]:
 
 
 def efficiency(
-    model: LoadedModel, methods: list[str], lengths: list[int], new: int, budget_s: float
+    model: LoadedModel,
+    methods: list[str],
+    lengths: list[int],
+    new: int,
+    budget_s: float,
+    save=lambda partial: None,
 ) -> dict:
+    """Every method at every length, the longest first (the paper's headline is the longest;
+    a run cut short by the budget loses the short ones). `save` gets the rows so far after
+    each run, so a check stopped from outside still leaves them."""
     engine = Engine(model)
     vocab, layers = model.shape.vocab_size, model.shape.num_layers
     for method in [*methods, "hf"]:  # first-call costs (kernel selection, allocator) out
         run_one(engine, method, prompt(min(lengths), vocab, 0), 4)
     start, rows = time.perf_counter(), []
-    for n in lengths:
+    for n in sorted(lengths, reverse=True):
         ids = prompt(n, vocab, n)
         for method in [*methods, "hf"]:
             if time.perf_counter() - start > budget_s:
@@ -252,6 +304,7 @@ def efficiency(
                 continue
             row = {"method": method, "length": n, **run_one(engine, method, ids, new)}
             rows.append(row)
+            save({"runs": rows})
             log(
                 f"{method} @ {n}: {row['status']}, TTFT {row.get('ttft_s')}, "
                 f"TPOT {row.get('tpot_s')}, KV {row.get('kv_bytes')}"
@@ -324,6 +377,97 @@ def run_one(engine: Engine, method: str, ids: list[int], new: int) -> dict:
     return row
 
 
+def efficiency_table(result: dict) -> str:
+    """efficiency.json as a markdown table: one row per length and method, same-run ratios
+    against `full`, and SPEED's layer limits."""
+    label = {"hf": "transformers `generate` (SDPA)"}
+    lines = [
+        f"{result['device_name']}, torch {result['torch']}, transformers "
+        f"{result['transformers']}; batch 1, {result['new_tokens']} new tokens.",
+        "",
+        "| prompt | method | TTFT s | TPOT ms | KV GiB | TTFT ratio | TPOT ratio | KV ratio "
+        "| KV limit | peak GiB |",
+        "| ---: | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |",
+    ]
+    for row in sorted(result["runs"], key=lambda r: r["length"]):
+        n, method = row["length"], row["method"]
+        if row.get("status") != "ok":
+            lines.append(f"| {n // 1024}K | {label.get(method, method)} | {row['status']} |")
+            continue
+        kv = row["kv_bytes"] if row["kv_bytes"] is not None else row["kv_bytes_final"]
+        limit = result["layer_limits"][str(n)]["kv"] if method.startswith("speed") else None
+        cells = [
+            f"{n // 1024}K",
+            label.get(method, f"`{method}`"),
+            f"{row['ttft_s']:.2f}",
+            f"{1e3 * row['tpot_s']:.1f}",
+            f"{kv / 2**30:.2f}",
+            *(
+                f"{row[key]:.3f}" if key in row else ""
+                for key in ("ttft_ratio", "tpot_ratio", "kv_ratio")
+            ),
+            f"{limit:.4f}" if limit else "",
+            f"{row.get('peak_gib', '')}",
+        ]
+        lines.append("| " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+# -- decode attention alone -----------------------------------------------------------------------
+def decode_attention_kernels(shape: dict, lengths: list[int], device: str, calls: int = 64) -> dict:
+    """One decode query's attention over one layer's cache at `shape`, by each candidate: the
+    engine's batched matrix products, and torch's fused attention with the backend it picks
+    and with each backend forced. Time per call (host launch included) and the rate the
+    cache's keys and values were read at."""
+    from torch.nn.attention import SDPBackend
+
+    heads, kv_heads, dim = (
+        shape["num_attention_heads"],
+        shape["num_key_value_heads"],
+        shape["head_dim"],
+    )
+    candidates = {
+        "the engine's": decode_attention,
+        "matmul": lambda q, k, v: matmul_decode_attention(q, k, v, per_head=False),
+        "sdpa, torch's choice": fused_decode_attention,
+    }
+    for name in ("FLASH_ATTENTION", "EFFICIENT_ATTENTION", "CUDNN_ATTENTION", "MATH"):
+        backend = getattr(SDPBackend, name)
+        candidates[f"sdpa, {name.lower()}"] = functools.partial(
+            fused_decode_attention, backend=backend
+        )
+    rows = []
+    for n in lengths:
+        g = torch.Generator(device=device).manual_seed(n)
+        room = n + 64  # a cache buffer with room left, as the engine's
+        k = torch.randn((kv_heads, room, dim), generator=g, device=device, dtype=torch.bfloat16)
+        v = torch.randn((kv_heads, room, dim), generator=g, device=device, dtype=torch.bfloat16)
+        q = torch.randn((heads, 1, dim), generator=g, device=device, dtype=torch.bfloat16)
+        k, v = k[:, :n], v[:, :n]
+        reference = matmul_decode_attention(q, k, v, per_head=True).float()
+        for name, fn in candidates.items():
+            row = {"kernel": name, "length": n}
+            try:
+                err = (fn(q, k, v).float() - reference).abs().max().item()
+                sync(torch.device(device))
+                start = time.perf_counter()
+                for _ in range(calls):
+                    fn(q, k, v)
+                sync(torch.device(device))
+                seconds = (time.perf_counter() - start) / calls
+                row.update(
+                    us=round(1e6 * seconds, 1),
+                    gb_per_s=round(2 * k.numel() * k.element_size() / seconds / 1e9, 1),
+                    max_abs_diff=err,
+                )
+            except RuntimeError as error:  # a backend that does not take these tensors here
+                row["unavailable"] = str(error).splitlines()[0][:200]
+            rows.append(row)
+            log(f"decode attention @ {n}, {name}: {row.get('us', row.get('unavailable'))}")
+        del k, v
+    return {"decode_attention": rows}
+
+
 # -- where a step's time goes -------------------------------------------------------------------
 def profile(model: LoadedModel, methods: list[str], length: int) -> dict:
     from torch.profiler import ProfilerActivity
@@ -338,19 +482,43 @@ def profile(model: LoadedModel, methods: list[str], length: int) -> dict:
     result = {"length": length}
     for method in methods:
         policy = make_policy(method, model.shape)
-        done = engine.prefill_ids(ids, policy, spare=4)  # warm
-        parts = {}
+        done = engine.prefill_ids(ids, policy, spare=16)  # warm; room for the steps below
+        parts = {"decode_step_ms": step_times(engine, done, policy, length)}
         for part in ("prefill", "decode"):
             with torch_profile(activities=activities) as prof:
                 if part == "prefill":
                     done = engine.prefill_ids(ids, policy, spare=4)
                 else:
                     engine.decode_step([done.cache], [policy], [5], [length])
-                if device.type == "cuda":
-                    torch.cuda.synchronize()
+                sync(device)
             parts[part] = summarise(prof, device.type == "cuda")
         result[method] = parts
     return result
+
+
+def step_times(engine: Engine, done, policy, length: int, steps: int = 6) -> dict:
+    """Medians over decode steps of the host's time to issue one (`host`) and the time until
+    the device has finished it (`wall`): equal when the step is bound by the host's launches,
+    `wall` larger when by the device's work."""
+    host, wall = [], []
+    for step in range(steps):
+        sync(engine.device)
+        start = time.perf_counter()
+        engine.decode_step([done.cache], [policy], [5], [length + step])
+        issued = time.perf_counter()
+        sync(engine.device)
+        host.append(issued - start)
+        wall.append(time.perf_counter() - start)
+    host, wall = host[1:], wall[1:]  # the first step warms
+    return {
+        "host": round(1e3 * sorted(host)[len(host) // 2], 3),
+        "wall": round(1e3 * sorted(wall)[len(wall) // 2], 3),
+    }
+
+
+def sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize()
 
 
 def summarise(prof, cuda: bool) -> dict:
@@ -359,10 +527,15 @@ def summarise(prof, cuda: bool) -> dict:
     attr = "device_time_total" if cuda else "cpu_time_total"
     top = sorted(events, key=lambda e: getattr(e, attr, 0.0), reverse=True)[:15]
     waits = sum(e.count for e in events if any(w in e.key for w in WAITS))
+    host = sorted(events, key=lambda e: e.self_cpu_time_total, reverse=True)[:10]
     return {
         "top": [
             {"op": e.key, "ms": round(getattr(e, attr, 0.0) / 1e3, 3), "calls": e.count}
             for e in top
+        ],
+        "host_top": [
+            {"op": e.key, "self_ms": round(e.self_cpu_time_total / 1e3, 3), "calls": e.count}
+            for e in host
         ],
         "host_waits": waits,
         "launches": sum(e.count for e in events if "cudaLaunchKernel" in e.key),

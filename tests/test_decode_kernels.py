@@ -47,6 +47,23 @@ def test_decode_attention_equals_reference(dtype, n):  # below and above MATMUL_
     assert (got.double() - reference_decode_attention(q, k, v)).abs().max() < tolerance
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("n", [1, 7, 4099])
+def test_gpu_decode_attention_equals_reference(dtype, n):
+    """The GPU's decode attention (flash attention forced for half precision, batched matrix
+    products for float32) on the CPU's tensors, which run the same calls."""
+    torch.manual_seed(0)
+    k = torch.randn(2, n + 16, 128, dtype=dtype)[:, :n]
+    v = torch.randn(2, n + 16, 128, dtype=dtype)[:, :n]
+    q = torch.randn(8, 1, 128, dtype=dtype)
+    got = attention.gpu_decode_attention(q, k, v)
+    assert got.shape == (8, 1, 128) and got.dtype == dtype
+    tolerance = 1e-6 if dtype == torch.float32 else 4e-3
+    assert (got.double() - reference_decode_attention(q, k, v)).abs().max() < tolerance
+    batched = attention.matmul_decode_attention(q, k, v, per_head=False)
+    assert torch.equal(batched, attention.matmul_decode_attention(q, k, v, per_head=True))
+
+
 def strided_cache(kv_heads: int, n: int, dim: int, dtype, seed: int) -> torch.Tensor:
     """A [kv_heads, n, dim] view into a buffer with room left, as the engine holds a cache."""
     generator = torch.Generator().manual_seed(seed)

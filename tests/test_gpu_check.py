@@ -1,6 +1,7 @@
 """benchmarks/gpu.py, the GPU check, runs here at a tiny shape on the CPU, so the command a GPU
 machine gets cannot rot: the reference tests pass through it, every efficiency run completes,
-SPEED's KV bytes are exactly its layer limit, and the profile names operators."""
+SPEED's KV bytes are exactly its layer limit, the decode attention kernels agree, the profile
+names operators, and the results print as the docs' table."""
 
 from __future__ import annotations
 
@@ -32,3 +33,15 @@ def test_the_gpu_check_runs_tiny_on_the_cpu(tmp_path):
         assert r["ttft_s"] > 0 and r["tpot_s"] > 0
     profile = json.loads((tmp_path / "profile.json").read_text())
     assert profile["full"]["decode"]["top"] and profile["full"]["prefill"]["top"]
+    assert profile["full"]["decode"]["host_top"]
+    step = profile["full"]["decode_step_ms"]
+    assert 0 < step["host"] <= step["wall"]
+    kernels = json.loads((tmp_path / "attention.json").read_text())["decode_attention"]
+    engine = [r for r in kernels if r["kernel"] == "the engine's"]
+    assert len(engine) == 2 and all(r["max_abs_diff"] < 1e-2 and r["us"] > 0 for r in engine)
+    table = subprocess.run(
+        [sys.executable, str(ROOT / "benchmarks" / "gpu.py"), "--table",
+         str(tmp_path / "efficiency.json")],
+        capture_output=True, text=True, check=True,
+    ).stdout  # fmt: skip
+    assert table.count("| `full` |") == 2 and "transformers `generate`" in table

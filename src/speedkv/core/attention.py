@@ -8,8 +8,10 @@ also never materialises the full score matrix; grouped-query heads are handled b
 
 A decode step on a CPU runs every sequence of the batch through speedkv's own kernel
 (core/csrc/decode_attention.cpp) in one call, when it could be built here (core/native.py).
-Otherwise, and on a GPU, each sequence attends on its own through torch: the fused kernel,
-or plain matrix products over long caches on a CPU, which read the cache faster.
+Otherwise each sequence attends on its own through torch: on a CPU the fused kernel, or plain
+matrix products over long caches, which read the cache faster; on a GPU flash attention for
+half-precision caches (the matrix products for float32), chosen over torch's own pick of
+backend by measurement (`gpu_decode_attention`).
 """
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ import functools
 
 import torch
 import torch.nn.functional as F
+from torch.nn.attention import SDPBackend, sdpa_kernel
 from torch.nn.attention.bias import causal_lower_right
 
 from speedkv.core.native import has_prefill_kernel
@@ -107,12 +110,38 @@ def _lanes(ops) -> int:
 def decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
     """One query token over every cached entry (all earlier, so no mask).
 
-    q: [Hq, 1, D]; k, v: [Hkv, n, D]. Returns [Hq, 1, D]. Long caches on a CPU go through
-    matrix products, everything else through the fused kernel.
+    q: [Hq, 1, D]; k, v: [Hkv, n, D]. Returns [Hq, 1, D]. On a CPU long caches go through
+    matrix products and short ones through the fused kernel; a GPU has its own choice.
     """
-    if k.device.type == "cpu" and k.shape[1] >= MATMUL_FROM:
+    if k.device.type != "cpu":
+        return gpu_decode_attention(q, k, v)
+    if k.shape[1] >= MATMUL_FROM:
         return matmul_decode_attention(q, k, v)
     return fused_decode_attention(q, k, v)
+
+
+def gpu_decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    """`decode_attention` on a GPU. On an H100 (benchmarks/gpu.py, docs/gpu.md), one decode
+    query over a 128K-token bfloat16 cache of Llama-3.1-8B's shape took 199 us with flash
+    attention forced (2.7 TB/s of keys and values), 340 us as two batched matrix products
+    and 1479 us with torch's own choice of backend (cuDNN's). Flash attention takes half
+    precision only, and only on GPUs it was built for: anything else goes through the matrix
+    products."""
+    if q.dtype in (torch.float16, torch.bfloat16) and _flash_runs(q.device, q.dtype, q.shape[-1]):
+        return fused_decode_attention(q, k, v, SDPBackend.FLASH_ATTENTION)
+    return matmul_decode_attention(q, k, v)
+
+
+@functools.cache
+def _flash_runs(device: torch.device, dtype: torch.dtype, dim: int) -> bool:
+    """Whether torch's flash attention takes a decode query of this head size here."""
+    q = torch.zeros((1, 2, 4, dim), dtype=dtype, device=device)
+    try:
+        with sdpa_kernel(SDPBackend.FLASH_ATTENTION):
+            F.scaled_dot_product_attention(q, q, q)
+    except RuntimeError:
+        return False
+    return True
 
 
 # Cache length from which decode attention on a CPU runs as matrix products. torch's CPU
@@ -131,23 +160,41 @@ def _packed(q: torch.Tensor, kv_heads: int) -> torch.Tensor:
     return q.reshape(kv_heads, heads // kv_heads, dim)
 
 
-def fused_decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-    """`decode_attention` through torch's fused kernel."""
+def fused_decode_attention(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, backend: SDPBackend | None = None
+) -> torch.Tensor:
+    """`decode_attention` through torch's fused kernel: `backend`, or the one torch picks."""
     packed = _packed(q, k.shape[0])
-    return F.scaled_dot_product_attention(packed[None], k[None], v[None]).reshape(q.shape)
+    if backend is None:
+        return F.scaled_dot_product_attention(packed[None], k[None], v[None]).reshape(q.shape)
+    with sdpa_kernel(backend):
+        return F.scaled_dot_product_attention(packed[None], k[None], v[None]).reshape(q.shape)
 
 
-def matmul_decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-    """`decode_attention` as one matrix product per KV head for the scores and one for the
-    output, the softmax in float32 between them (HF's eager rounding: scores and weights in
-    the cache's dtype). One product per head, because the cache is a view into a buffer with
-    room left, which a batched product would first copy whole."""
+def matmul_decode_attention(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, per_head: bool | None = None
+) -> torch.Tensor:
+    """`decode_attention` as matrix products, one for the scores and one for the output, the
+    softmax in float32 between them (HF's eager rounding: scores and weights in the cache's
+    dtype).
+
+    On a CPU (`per_head` by default) one product per KV head, because the cache is a view into
+    a buffer with room left, which a batched CPU product would first copy whole. On a GPU one
+    batched product over all KV heads reads the view in place (the GPU's path for float32,
+    `gpu_decode_attention`).
+    """
     packed = _packed(q, k.shape[0])
     kv_heads, group, dim = packed.shape
-    scores = torch.empty((kv_heads, group, k.shape[1]), dtype=k.dtype, device=k.device)
-    for head in range(kv_heads):
-        torch.mm(packed[head], k[head].t(), out=scores[head])
+    per_head = k.device.type == "cpu" if per_head is None else per_head
+    if per_head:
+        scores = torch.empty((kv_heads, group, k.shape[1]), dtype=k.dtype, device=k.device)
+        for head in range(kv_heads):
+            torch.mm(packed[head], k[head].t(), out=scores[head])
+    else:
+        scores = torch.bmm(packed, k.transpose(1, 2))
     weights = torch.softmax(scores.float().mul_(dim**-0.5), dim=-1).to(v.dtype)
+    if not per_head:
+        return torch.bmm(weights, v).reshape(q.shape)
     out = torch.empty_like(packed)
     for head in range(kv_heads):
         torch.mm(weights[head], v[head], out=out[head])
