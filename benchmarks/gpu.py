@@ -13,7 +13,9 @@ It runs from the source tree (nothing is installed; the engine's tests pass on t
   tests of tests/test_engine_equivalence.py, test_batch.py, test_prefix_reuse.py and
   test_methods_equivalence.py on tiny random Llama and Qwen2 models),
 - `efficiency.json`: TTFT, TPOT (64 new tokens) and KV bytes per method and prompt length,
-  batch 1, with same-run ratios against `full` and SPEED's layer limits; a length or method
+  batch 1, with same-run ratios against `full` and SPEED's layer limits; each method once
+  through the engine's decode step and once (`+graph`) through steps recorded as a CUDA
+  graph (core/graph_decode.py), against `full+graph`; a length or method
   that runs out of memory or past the time budget is recorded as such,
 - `attention.json`: one decode query's attention over one layer's cache at the shortest and
   longest length, by the engine's kernel and by torch's fused attention with each backend,
@@ -50,6 +52,7 @@ from speedkv.core.attention import (  # noqa: E402
     matmul_decode_attention,
 )
 from speedkv.core.engine import Engine, Request  # noqa: E402
+from speedkv.core.graph_decode import GraphDecode  # noqa: E402
 from speedkv.core.registry import make_policy  # noqa: E402
 from speedkv.core.sampling import SamplingParams  # noqa: E402
 from speedkv.hf.loading import LoadedModel  # noqa: E402
@@ -59,6 +62,7 @@ TEST_FILES = [
     "tests/test_batch.py",
     "tests/test_prefix_reuse.py",
     "tests/test_methods_equivalence.py",
+    "tests/test_graph_decode.py",
 ]
 # Llama-3.1-8B: 32 layers, 32 query and 8 KV heads of 128, hidden 4096, MLP 14336
 PAPER_SHAPE = dict(
@@ -91,6 +95,8 @@ RATIOS = {
     "kv_bytes_final": "kv_final_ratio",
 }
 TINY_LENGTHS = [64, 128]
+# a method name ending so decodes through core/graph_decode.py: one CUDA graph replay a step
+GRAPH = "+graph"
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -150,6 +156,7 @@ def main(argv: list[str] | None = None) -> int:
     log(f"random model built in {time.perf_counter() - start:.1f} s")
     lcut = shape["num_hidden_layers"] * 3 // 4  # the paper's 24 of 32
     methods = ["full", f"speed:lcut={lcut},anchors=bos"]
+    methods += [m + GRAPH for m in methods]  # the same, decoding through recorded steps
     if "efficiency" not in skip:
         path = args.out / "efficiency.json"
         result = efficiency(
@@ -161,7 +168,8 @@ def main(argv: list[str] | None = None) -> int:
         result = decode_attention_kernels(shape, [min(lengths), max(lengths)], args.device)
         write(args.out / "attention.json", {**facts, **result})
     if "profile" not in skip:
-        write(args.out / "profile.json", {**facts, **profile(model, methods, min(lengths))})
+        plain = [m for m in methods if not m.endswith(GRAPH)]
+        write(args.out / "profile.json", {**facts, **profile(model, plain, min(lengths))})
     return 0
 
 
@@ -309,12 +317,13 @@ def efficiency(
                 f"{method} @ {n}: {row['status']}, TTFT {row.get('ttft_s')}, "
                 f"TPOT {row.get('tpot_s')}, KV {row.get('kv_bytes')}"
             )
-    for row in rows:  # same-run ratios against full
+    for row in rows:  # same-run ratios against full, decoding the same way
+        reference = "full" + GRAPH if row["method"].endswith(GRAPH) else "full"
         base = next(
             (
                 r
                 for r in rows
-                if r["method"] == "full"
+                if r["method"] == reference
                 and r["length"] == row["length"]
                 and r.get("status") == "ok"
             ),
@@ -359,6 +368,8 @@ def run_one(engine: Engine, method: str, ids: list[int], new: int) -> dict:
                 "kv_bytes": None,
                 "kv_bytes_final": r["kv_bytes_final"],
             }
+        elif method.endswith(GRAPH):
+            row = recorded_run(engine, method.removesuffix(GRAPH), ids, new)
         else:
             policy = make_policy(method, engine.shape)
             sampling = SamplingParams(max_new_tokens=new, ignore_eos=True)
@@ -377,9 +388,35 @@ def run_one(engine: Engine, method: str, ids: list[int], new: int) -> dict:
     return row
 
 
+def recorded_run(engine: Engine, method: str, ids: list[int], new: int) -> dict:
+    """Greedy generation whose decode steps replay a recorded CUDA graph (run eagerly off
+    CUDA). TTFT is the prefill and the first token, as `Engine.generate` counts it; recording
+    the graph is timed apart (`record_s`), as an engine records its graphs before serving."""
+    policy = make_policy(method, engine.shape)
+    start = time.perf_counter()
+    done = engine.prefill_ids(ids, policy, spare=new)
+    token = int(done.logits.argmax())  # waits for the device
+    ttft, kv_bytes = time.perf_counter() - start, done.cache.nbytes()
+    start = time.perf_counter()
+    graph = GraphDecode(engine, [done.cache], [policy], [done.next_position], new - 1)
+    sync(engine.device)
+    record_s = time.perf_counter() - start
+    start = time.perf_counter()
+    for _ in range(new - 1):
+        token = int(graph.step([token])[0].argmax())
+    return {
+        "ttft_s": ttft,
+        "tpot_s": (time.perf_counter() - start) / max(1, new - 1),
+        "kv_bytes": kv_bytes,
+        "kv_bytes_final": done.cache.nbytes(),
+        "record_s": round(record_s, 3),
+    }
+
+
 def efficiency_table(result: dict) -> str:
     """efficiency.json as a markdown table: one row per length and method, same-run ratios
-    against `full`, and SPEED's layer limits."""
+    against `full` decoding the same way (`+graph`: through recorded steps), and SPEED's
+    layer limits."""
     label = {"hf": "transformers `generate` (SDPA)"}
     lines = [
         f"{result['device_name']}, torch {result['torch']}, transformers "
@@ -483,7 +520,15 @@ def profile(model: LoadedModel, methods: list[str], length: int) -> dict:
     for method in methods:
         policy = make_policy(method, model.shape)
         done = engine.prefill_ids(ids, policy, spare=16)  # warm; room for the steps below
-        parts = {"decode_step_ms": step_times(engine, done, policy, length)}
+
+        def plain_step(i, cache=done.cache, policy=policy):
+            engine.decode_step([cache], [policy], [5], [length + i])
+
+        parts = {"decode_step_ms": step_times(plain_step, device)}
+        fresh = make_policy(method, model.shape)
+        done = engine.prefill_ids(ids, fresh, spare=16)
+        graph = GraphDecode(engine, [done.cache], [fresh], [done.next_position], 6)
+        parts["recorded_step_ms"] = step_times(lambda i, graph=graph: graph.step([5]), device)
         for part in ("prefill", "decode"):
             with torch_profile(activities=activities) as prof:
                 if part == "prefill":
@@ -496,20 +541,21 @@ def profile(model: LoadedModel, methods: list[str], length: int) -> dict:
     return result
 
 
-def step_times(engine: Engine, done, policy, length: int, steps: int = 6) -> dict:
-    """Medians over decode steps of the host's time to issue one (`host`) and the time until
-    the device has finished it (`wall`): equal when the step is bound by the host's launches,
-    `wall` larger when by the device's work."""
+def step_times(run_step, device: torch.device, steps: int = 6) -> dict:
+    """Medians over `steps` calls of `run_step(i)` (one decode step each) of the host's time
+    to issue one (`host`) and the time until the device has finished it (`wall`): equal when
+    the step is bound by the host's launches, `wall` larger when by the device's work. The
+    first call warms and is left out."""
     host, wall = [], []
     for step in range(steps):
-        sync(engine.device)
+        sync(device)
         start = time.perf_counter()
-        engine.decode_step([done.cache], [policy], [5], [length + step])
+        run_step(step)
         issued = time.perf_counter()
-        sync(engine.device)
+        sync(device)
         host.append(issued - start)
         wall.append(time.perf_counter() - start)
-    host, wall = host[1:], wall[1:]  # the first step warms
+    host, wall = host[1:], wall[1:]
     return {
         "host": round(1e3 * sorted(host)[len(host) // 2], 3),
         "wall": round(1e3 * sorted(wall)[len(wall) // 2], 3),

@@ -52,13 +52,11 @@ def test_decode_attention_equals_reference(dtype, n):  # below and above MATMUL_
 def test_gpu_decode_attention_equals_reference(dtype, n):
     """The GPU's decode attention (flash attention forced for half precision, batched matrix
     products for float32) on the CPU's tensors, which run the same calls."""
-    torch.manual_seed(0)
-    k = torch.randn(2, n + 16, 128, dtype=dtype)[:, :n]
-    v = torch.randn(2, n + 16, 128, dtype=dtype)[:, :n]
-    q = torch.randn(8, 1, 128, dtype=dtype)
+    k, v = strided_cache(2, n, 128, dtype, seed=1), strided_cache(2, n, 128, dtype, seed=2)
+    q = strided_cache(8, 1, 128, dtype, seed=3).contiguous()
     got = attention.gpu_decode_attention(q, k, v)
     assert got.shape == (8, 1, 128) and got.dtype == dtype
-    tolerance = 1e-6 if dtype == torch.float32 else 4e-3
+    tolerance = 1e-6 if dtype == torch.float32 else 1e-2  # bf16: one step at magnitude 1
     assert (got.double() - reference_decode_attention(q, k, v)).abs().max() < tolerance
     batched = attention.matmul_decode_attention(q, k, v, per_head=False)
     assert torch.equal(batched, attention.matmul_decode_attention(q, k, v, per_head=True))

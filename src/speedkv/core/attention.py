@@ -152,6 +152,21 @@ def _flash_runs(device: torch.device, dtype: torch.dtype, dim: int) -> bool:
 MATMUL_FROM = 2048
 
 
+def masked_decode_attention(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, live: torch.Tensor
+) -> torch.Tensor:
+    """`decode_attention` over a layer's whole buffer k, v [Hkv, capacity, D], of which the
+    first `live` ([1], on the device) entries count: shapes and addresses stay the same from
+    step to step, as a captured CUDA graph needs. Entries past `live` get weight exactly 0,
+    so they must hold finite values (`graph_decode` zeroes them)."""
+    packed = _packed(q, k.shape[0])
+    scores = torch.bmm(packed, k.transpose(1, 2)).float().mul_(q.shape[-1] ** -0.5)
+    slots = torch.arange(k.shape[1], device=k.device)
+    scores.masked_fill_(slots >= live, float("-inf"))
+    weights = torch.softmax(scores, dim=-1).to(v.dtype)
+    return torch.bmm(weights, v).reshape(q.shape)
+
+
 def _packed(q: torch.Tensor, kv_heads: int) -> torch.Tensor:
     """The query heads that share a KV head as the rows of one query block [Hkv, G, D]: the
     CPU kernels run such a block several times faster than a grouped-query call with a

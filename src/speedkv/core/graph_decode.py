@@ -1,0 +1,138 @@
+"""Decode steps a CUDA graph can replay: one launch per token instead of one per kernel.
+
+On an H100 the engine's decode step at Llama-3.1-8B's shape is bound by the host issuing its
+~930 kernels (docs/gpu.md): about 20 ms a token against about 13 ms of device work at 128K
+tokens, so SPEED's smaller cache does not show in the time per token. A CUDA graph records a
+step's kernels once and replays them with one call. Recording needs every shape and address
+fixed, so this step differs from `Engine.decode_step` in three ways:
+
+- each layer writes its new key and value at the slot a device tensor names (`index_copy_`),
+  not at a slot the host indexes;
+- attention reads the layer's whole buffer and masks the entries past the live length
+  (`attention.masked_decode_attention`); the buffer's free slots are zeroed first, so the
+  masked ones are finite;
+- the token, the position and the live lengths are device tensors, advanced in place.
+
+The same step runs eagerly on any device (the tests hold it to `Engine.decode_step` on the
+CPU, and on CUDA with `--device cuda`) and is recorded and replayed on CUDA. It takes methods
+whose decode only appends to each layer's own cache (full, SPEED, and every method that
+changes only the prefill); methods that evict during decode, or share a cache between layers,
+are refused with the reason.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from speedkv.core.attention import masked_decode_attention
+from speedkv.core.cache import KVCache
+from speedkv.core.engine import Engine, decode_plan
+from speedkv.core.policy import Policy
+
+
+class GraphDecode:
+    """`steps` decode steps for a fixed batch of prefilled caches, recorded as one CUDA graph
+    on a GPU (`record`, default: on CUDA) and run eagerly elsewhere."""
+
+    @torch.inference_mode()  # the caches are inference tensors
+    def __init__(
+        self,
+        engine: Engine,
+        caches: list[KVCache],
+        policies: list[Policy],
+        positions: list[int],
+        steps: int,
+        record: bool | None = None,
+    ):
+        self.engine, self.caches, self.steps, self.taken = engine, caches, steps, 0
+        for policy, cache in zip(policies, caches):
+            refusal = why_not(engine, policy, cache, steps)
+            if refusal:
+                raise ValueError(f"{policy.spec()}: {refusal}")
+        device = engine.device
+        for cache in caches:  # masked slots get weight 0, which must not meet a NaN
+            for kv in cache.layers:
+                kv.k[:, kv.length :].zero_()
+                kv.v[:, kv.length :].zero_()
+        self.tokens = torch.zeros(len(caches), dtype=torch.long, device=device)
+        self.positions = torch.tensor(positions, dtype=torch.long, device=device)
+        self.live = torch.tensor([c.lengths() for c in caches], dtype=torch.long, device=device)
+        self.bound = max(positions) + steps + 1  # above every position the steps will see
+        self.graph: torch.cuda.CUDAGraph | None = None
+        self.logits: torch.Tensor | None = None
+        if record if record is not None else device.type == "cuda":
+            self._record()
+
+    @torch.inference_mode()
+    def step(self, tokens: list[int] | torch.Tensor) -> torch.Tensor:
+        """Feed each sequence its next token; returns the logits [B, vocab] of the next."""
+        if self.taken == self.steps:
+            raise RuntimeError(f"all {self.steps} recorded decode steps are taken")
+        self.tokens.copy_(torch.as_tensor(tokens, device=self.tokens.device))
+        if self.graph is not None:
+            self.graph.replay()
+            logits = self.logits.clone()  # the graph overwrites its output next step
+        else:
+            logits = self._step()
+        self.taken += 1
+        for cache in self.caches:  # the host's bookkeeping, as Engine.decode_step keeps it
+            for kv in cache.layers:
+                kv.commit()
+                kv.reads += kv.length
+        return logits
+
+    def _step(self) -> torch.Tensor:
+        bb = self.engine.backbone
+        h = bb.embed(self.tokens)[:, None, :]  # [B, 1, H]
+        cos, sin = bb.rope(self.positions, bound=self.bound)
+        cos, sin = cos[:, None, None, :], sin[:, None, None, :]
+        for layer in range(self.engine.depth):
+            q, k, v = bb.before_attention(layer, h, cos, sin)  # [B, heads, 1, D]
+            outs = []
+            for b, cache in enumerate(self.caches):
+                kv = cache.layers[layer]
+                slot = self.live[b, layer : layer + 1]
+                kb, vb = k[b], v[b]
+                if kb.shape[0] != kv.k.shape[0]:  # a cache kept per query head
+                    group = kv.k.shape[0] // kb.shape[0]
+                    kb, vb = kb.repeat_interleave(group, 0), vb.repeat_interleave(group, 0)
+                kv.k.index_copy_(1, slot, kb)
+                kv.v.index_copy_(1, slot, vb)
+                position = self.positions[b].to(torch.int32).reshape(1, 1)
+                kv.pos.index_copy_(1, slot, position.expand(kv.pos.shape[0], 1))
+                outs.append(masked_decode_attention(q[b], kv.k, kv.v, slot + 1))
+            h = bb.after_attention(layer, h, torch.stack(outs))
+        self.live += 1
+        self.positions += 1
+        return bb.logits(bb.final_norm(h[:, -1]))
+
+    def _record(self) -> None:
+        """Record one step as a CUDA graph. A first run on a side stream sets up what
+        recording cannot (cuBLAS's workspace, the rotary table); its advance is undone, and
+        the slot it wrote is written again by the first real step."""
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):
+            self._step()
+        torch.cuda.current_stream().wait_stream(side)
+        self.live -= 1
+        self.positions -= 1
+        self.graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(self.graph):
+            self.logits = self._step()  # recorded, not run
+
+
+def why_not(engine: Engine, policy: Policy, cache: KVCache, steps: int) -> str | None:
+    """Why this sequence cannot decode through a recorded step; None if it can."""
+    if type(policy).after_decode is not Policy.after_decode:
+        return "it changes its cache during decode, which a recorded step cannot follow"
+    for layer, (owner, kv_input, keeps) in enumerate(decode_plan(policy, engine.depth)):
+        if owner != layer or kv_input is not None or not keeps:
+            return f"layer {layer} does not append its own K/V during decode"
+    short = [i for i, kv in enumerate(cache.layers) if kv.capacity < kv.length + steps]
+    if short:
+        return (
+            f"layers {short[:4]} have no room for {steps} more tokens: prefill with "
+            f"spare >= {steps}"
+        )
+    return None

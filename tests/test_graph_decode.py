@@ -1,0 +1,98 @@
+"""The recordable decode step (core/graph_decode.py) against the engine's own decode step:
+the same logits, step after step, for every method it takes, alone and in a mixed batch; and
+a clear refusal for what it cannot follow. On the CPU the step runs eagerly; with
+`--device cuda` it is recorded as a CUDA graph and replayed."""
+
+import pytest
+import torch
+
+from speedkv.core.graph_decode import GraphDecode
+from speedkv.core.registry import make_policy
+
+from conftest import random_prompt
+
+STEPS = 6
+
+
+def decode_both(engine, prompts: list[list[int]], specs: list[str]):
+    """Greedy decode of each prompt under its method, once through Engine.decode_step and
+    once through GraphDecode, both fed the reference's tokens; the logits of every step."""
+    shape = engine.shape
+    ref = [make_policy(s, shape) for s in specs]
+    rec = [make_policy(s, shape) for s in specs]
+    ref_fill = [engine.prefill_ids(p, pol, spare=STEPS) for p, pol in zip(prompts, ref)]
+    rec_fill = [engine.prefill_ids(p, pol, spare=STEPS) for p, pol in zip(prompts, rec)]
+    positions = [f.next_position for f in ref_fill]
+    graph = GraphDecode(engine, [f.cache for f in rec_fill], rec, positions, STEPS)
+    tokens = [int(f.logits.argmax()) for f in ref_fill]
+    steps = []
+    for step in range(STEPS):
+        want = engine.decode_step(
+            [f.cache for f in ref_fill], ref, tokens, [p + step for p in positions]
+        )
+        got = graph.step(tokens)
+        steps.append((want, got))
+        tokens = want.argmax(-1).tolist()
+    return steps, ref_fill, rec_fill
+
+
+@pytest.mark.parametrize(
+    "spec",
+    [
+        "full",
+        "speed:lcut=3,anchors=bos",
+        "speed:lcut=2,anchors=sink:2,deep=3",
+        "snapkv:retain=0.5,window=4,gqa=false",  # a cache kept per query head
+        "fastkv:retain=0.5",
+    ],
+)
+def test_recorded_step_equals_the_engines_step(tiny_engine, spec):
+    steps, ref, rec = decode_both(tiny_engine, [random_prompt(37)], [spec])
+    for want, got in steps:
+        assert got.shape == want.shape
+        assert (got - want).abs().max() < 1e-4
+    assert ref[0].cache.lengths() == rec[0].cache.lengths()
+    assert ref[0].cache.nbytes() == rec[0].cache.nbytes()
+
+
+def test_a_mixed_batch_equals_the_engines_batch(tiny_engine):
+    prompts = [random_prompt(n, seed=n) for n in (11, 40)]
+    steps, ref, rec = decode_both(tiny_engine, prompts, ["full", "speed:lcut=3,anchors=bos"])
+    for want, got in steps:
+        assert (got - want).abs().max() < 1e-4
+    assert [c.cache.lengths() for c in ref] == [c.cache.lengths() for c in rec]
+
+
+def test_recorded_steps_run_out(tiny_engine):
+    policy = make_policy("full", tiny_engine.shape)
+    fill = tiny_engine.prefill_ids(random_prompt(9), policy, spare=2)
+    graph = GraphDecode(tiny_engine, [fill.cache], [policy], [fill.next_position], 2)
+    graph.step([1])
+    graph.step([2])
+    with pytest.raises(RuntimeError, match="all 2 recorded decode steps are taken"):
+        graph.step([3])
+
+
+@pytest.mark.parametrize(
+    "spec, spare, reason",
+    [
+        ("h2o:heavy=0.3,recent=0.3", 8, "changes its cache during decode"),
+        ("swiftkv:k=2,acrosskv=2", 8, "does not append its own K/V"),
+        ("full", 2, r"no room for 8 more tokens: prefill with spare >= 8"),
+    ],
+)
+def test_what_a_recorded_step_cannot_follow_is_refused(tiny_engine, spec, spare, reason):
+    policy = make_policy(spec, tiny_engine.shape)
+    fill = tiny_engine.prefill_ids(random_prompt(30), policy, spare=spare)
+    with pytest.raises(ValueError, match=reason):
+        GraphDecode(tiny_engine, [fill.cache], [policy], [fill.next_position], 8)
+
+
+def test_free_slots_are_zeroed_so_masked_entries_stay_finite(tiny_engine):
+    policy = make_policy("full", tiny_engine.shape)
+    fill = tiny_engine.prefill_ids(random_prompt(9), policy, spare=4)
+    with torch.inference_mode():  # what torch.empty may leave in a buffer's free slots
+        for kv in fill.cache.layers:
+            kv.v[:, kv.length :] = float("nan")
+    graph = GraphDecode(tiny_engine, [fill.cache], [policy], [fill.next_position], 4)
+    assert torch.isfinite(graph.step([1])).all()
