@@ -284,6 +284,7 @@ def plot_pareto(rows: list[Row], length: int, path: Path, title: str = "") -> Pa
         return None
     from speedkv.evals.report import _pyplot
 
+    most = max(r.min_samples for r in mine)  # rows measured on fewer are marked provisional
     plt = _pyplot()
     fig, axes = plt.subplots(1, 2, figsize=(12, 5.2), sharey=True)
     for ax, (cost, xlabel) in zip(
@@ -319,9 +320,8 @@ def plot_pareto(rows: list[Row], length: int, path: Path, title: str = "") -> Pa
                     linewidths=1.2 if r.adapter else 0.5,
                     zorder=3,
                 )
-                ax.annotate(
-                    r.label, (x, y), fontsize=6.5, xytext=(4, 3), textcoords="offset points"
-                )
+                label = r.label if r.min_samples == most else f"{r.label} ({r.min_samples}/task)"
+                ax.annotate(label, (x, y), fontsize=6.5, xytext=(4, 3), textcoords="offset points")
         ax.set_xlabel(xlabel)
         ax.grid(alpha=0.3)
     axes[0].set_ylabel(f"RULER average at {length} tokens, %")
