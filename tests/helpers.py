@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import importlib.util
 import sys
+from pathlib import Path
+from types import ModuleType
 
 import torch
 
@@ -101,3 +104,12 @@ def declared_degenerate_specs(name: str) -> tuple[str, ...]:
 def fill_spec(template: str, layers: int, tokens: int) -> str:
     """A declared spec for a model of `layers` layers and `tokens` prompt + new tokens."""
     return template.format(L=layers, T=tokens)
+
+
+def load_benchmark(name: str) -> ModuleType:
+    """A script under benchmarks/ (not a package) imported as a module, for its functions."""
+    path = Path(__file__).resolve().parents[1] / "benchmarks" / f"{name}.py"
+    spec = importlib.util.spec_from_file_location(f"benchmark_{name}", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module

@@ -6,14 +6,13 @@ from __future__ import annotations
 
 import importlib.util
 import json
-from pathlib import Path
 
 import pytest
 
 from speedkv.evals import leaderboard as lb
 from speedkv.evals import ruler
 
-PEER = Path(__file__).resolve().parents[1] / "benchmarks" / "kvpress_peer.py"
+from helpers import load_benchmark
 
 pytestmark = pytest.mark.skipif(
     any(importlib.util.find_spec(m) is None for m in ("long_context_eval", "nltk", "punkt")),
@@ -23,10 +22,7 @@ pytestmark = pytest.mark.skipif(
 
 @pytest.fixture(scope="module")
 def peer():
-    spec = importlib.util.spec_from_file_location("kvpress_peer", PEER)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return load_benchmark("kvpress_peer")
 
 
 @pytest.fixture(scope="module")

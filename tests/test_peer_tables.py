@@ -3,22 +3,16 @@ batch rates from median wall times, rendered into the table users read."""
 
 from __future__ import annotations
 
-import importlib.util
-from pathlib import Path
-
 import pytest
 
 from speedkv.bench.roofline import MachineLimits
 
-PEERS = Path(__file__).resolve().parents[1] / "benchmarks" / "peers.py"
+from helpers import load_benchmark
 
 
 @pytest.fixture(scope="module")
 def peers():
-    spec = importlib.util.spec_from_file_location("peers_benchmark", PEERS)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return load_benchmark("peers")
 
 
 def measured(peers, engine, method, n, repeat, ttft, tpot, kv=1000, flops=10**9):

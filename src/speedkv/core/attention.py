@@ -16,6 +16,7 @@ backend by measurement (`gpu_decode_attention`).
 
 from __future__ import annotations
 
+import contextlib
 import functools
 
 import torch
@@ -180,9 +181,7 @@ def fused_decode_attention(
 ) -> torch.Tensor:
     """`decode_attention` through torch's fused kernel: `backend`, or the one torch picks."""
     packed = _packed(q, k.shape[0])
-    if backend is None:
-        return F.scaled_dot_product_attention(packed[None], k[None], v[None]).reshape(q.shape)
-    with sdpa_kernel(backend):
+    with sdpa_kernel(backend) if backend is not None else contextlib.nullcontext():
         return F.scaled_dot_product_attention(packed[None], k[None], v[None]).reshape(q.shape)
 
 
