@@ -153,21 +153,6 @@ def _flash_runs(device: torch.device, dtype: torch.dtype, dim: int) -> bool:
 MATMUL_FROM = 2048
 
 
-def masked_decode_attention(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, live: torch.Tensor
-) -> torch.Tensor:
-    """`decode_attention` over a layer's whole buffer k, v [Hkv, capacity, D], of which the
-    first `live` ([1], on the device) entries count: shapes and addresses stay the same from
-    step to step, as a captured CUDA graph needs. Entries past `live` get weight exactly 0,
-    so they must hold finite values (`graph_decode` zeroes them)."""
-    packed = _packed(q, k.shape[0])
-    scores = torch.bmm(packed, k.transpose(1, 2)).float().mul_(q.shape[-1] ** -0.5)
-    slots = torch.arange(k.shape[1], device=k.device)
-    scores.masked_fill_(slots >= live, float("-inf"))
-    weights = torch.softmax(scores, dim=-1).to(v.dtype)
-    return torch.bmm(weights, v).reshape(q.shape)
-
-
 def _packed(q: torch.Tensor, kv_heads: int) -> torch.Tensor:
     """The query heads that share a KV head as the rows of one query block [Hkv, G, D]: the
     CPU kernels run such a block several times faster than a grouped-query call with a
@@ -186,7 +171,11 @@ def fused_decode_attention(
 
 
 def matmul_decode_attention(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, per_head: bool | None = None
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    per_head: bool | None = None,
+    live: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """`decode_attention` as matrix products, one for the scores and one for the output, the
     softmax in float32 between them (HF's eager rounding: scores and weights in the cache's
@@ -196,17 +185,25 @@ def matmul_decode_attention(
     a buffer with room left, which a batched CPU product would first copy whole. On a GPU one
     batched product over all KV heads reads the view in place (the GPU's path for float32,
     `gpu_decode_attention`).
+
+    `live` ([1], on the device): only the first `live` entries of k, v count, the rest get
+    weight exactly 0 (so they must hold finite values). A recorded decode step
+    (`graph_decode`) passes a layer's whole buffer this way, so that its shapes and addresses
+    stay the same from step to step.
     """
     packed = _packed(q, k.shape[0])
     kv_heads, group, dim = packed.shape
-    per_head = k.device.type == "cpu" if per_head is None else per_head
+    per_head = k.device.type == "cpu" and live is None if per_head is None else per_head
     if per_head:
         scores = torch.empty((kv_heads, group, k.shape[1]), dtype=k.dtype, device=k.device)
         for head in range(kv_heads):
             torch.mm(packed[head], k[head].t(), out=scores[head])
     else:
         scores = torch.bmm(packed, k.transpose(1, 2))
-    weights = torch.softmax(scores.float().mul_(dim**-0.5), dim=-1).to(v.dtype)
+    scores = scores.float().mul_(dim**-0.5)
+    if live is not None:
+        scores.masked_fill_(torch.arange(k.shape[1], device=k.device) >= live, float("-inf"))
+    weights = torch.softmax(scores, dim=-1).to(v.dtype)
     if not per_head:
         return torch.bmm(weights, v).reshape(q.shape)
     out = torch.empty_like(packed)

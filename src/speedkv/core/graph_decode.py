@@ -9,8 +9,8 @@ fixed, so this step differs from `Engine.decode_step` in three ways:
 - each layer writes its new key and value at the slot a device tensor names (`index_copy_`),
   not at a slot the host indexes;
 - attention reads the layer's whole buffer and masks the entries past the live length
-  (`attention.masked_decode_attention`); the buffer's free slots are zeroed first, so the
-  masked ones are finite;
+  (`attention.matmul_decode_attention` with `live`); the buffer's free slots are zeroed
+  first, so the masked ones are finite;
 - the token, the position and the live lengths are device tensors, advanced in place.
 
 The same step runs eagerly on any device (the tests hold it to `Engine.decode_step` on the
@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import torch
 
-from speedkv.core.attention import masked_decode_attention
+from speedkv.core.attention import matmul_decode_attention
 from speedkv.core.cache import KVCache
 from speedkv.core.engine import Engine, decode_plan
 from speedkv.core.policy import Policy
@@ -100,7 +100,7 @@ class GraphDecode:
                 kv.v.index_copy_(1, slot, vb)
                 position = self.positions[b].to(torch.int32).reshape(1, 1)
                 kv.pos.index_copy_(1, slot, position.expand(kv.pos.shape[0], 1))
-                outs.append(masked_decode_attention(q[b], kv.k, kv.v, slot + 1))
+                outs.append(matmul_decode_attention(q[b], kv.k, kv.v, live=slot + 1))
             h = bb.after_attention(layer, h, torch.stack(outs))
         self.live += 1
         self.positions += 1
