@@ -24,7 +24,7 @@ $(STAMP): pyproject.toml Makefile
 
 # With the shipped adapter (make adapter), SPEED at lcut=22 runs trained; full stays the base model.
 DEMO_ADAPTER := adapters/smollm2-135m-speed22-bos
-DEMO_SPEC := speed:lcut=22,anchors=bos
+DEMO_SPEC := speed:lcut=22,anchors=bos,deep=1
 DEMO_FLAGS := $(if $(wildcard $(DEMO_ADAPTER)/adapter_model.safetensors),--methods "$(DEMO_SPEC)" --adapter $(DEMO_ADAPTER))
 demo: install
 	$(VENV)/bin/speedkv demo $(DEMO_FLAGS)
@@ -51,13 +51,13 @@ lint: install
 clean:
 	rm -rf $(VENV) build src/*.egg-info .pytest_cache
 
-BENCH_METHODS := full;hf;speed:lcut=22,anchors=bos;pop:lcut=22;swiftkv:k=22;fastkv;specprefill;gemfilter;snapkv;streamingllm;h2o;pyramidinfer
+BENCH_METHODS := full;hf;speed:lcut=22,anchors=bos,deep=1;pop:lcut=22;swiftkv:k=22;fastkv;specprefill;gemfilter;snapkv;streamingllm;h2o;pyramidinfer
 
 # Efficiency of every method at 1K-8K tokens on the embedded model (about an hour on 2 cores).
 # The README's headline: full against SPEED-22 at 1K-8K tokens (benchmarks/smollm2-speed22/,
 # about 2 minutes on 2 cores).
 bench-headline: install
-	$(VENV)/bin/speedkv bench --methods "full;speed:lcut=22,anchors=bos" --lengths 1024,2048,4096,8192 \
+	$(VENV)/bin/speedkv bench --methods "full;speed:lcut=22,anchors=bos,deep=1" --lengths 1024,2048,4096,8192 \
 		--max-new-tokens 128 --repeats 3 --out benchmarks/smollm2-speed22 --resume \
 		--readme benchmarks/smollm2-speed22/README.md
 
@@ -70,7 +70,7 @@ bench: install
 # 32704 is the longest prompt that leaves room for 64 new tokens in the 32K context. SPEED's
 # anchor is the one-token `first` the figures were made with; the default sink:4 keeps three more
 # positions deep in 6 layers, below a thousandth of the cache at 4K.
-QWEN_BENCH_METHODS := full;speed:lcut=18,anchors=first;pop:lcut=18;swiftkv:k=18;fastkv
+QWEN_BENCH_METHODS := full;speed:lcut=18,anchors=first,deep=1;pop:lcut=18;swiftkv:k=18;fastkv
 bench-qwen: qwen
 	$(VENV)/bin/speedkv bench --model $(QWEN) --dtype bfloat16 --methods "$(QWEN_BENCH_METHODS)" \
 		--lengths 4096,8192,16384,32704 --max-new-tokens 64 --repeats 2 --out benchmarks/qwen2.5 \
@@ -82,7 +82,7 @@ bench-qwen: qwen
 # multi-key needles at 8K. One full prefill per needle sample serves every variant
 # (--shared-prefill). Resumable; 1K+8K take about 30 min, 16K 25 min, 32K (5 samples) 40 min,
 # sanity 5 min (each split), multi-key needles at 8K 10 min, short fidelity 5 min.
-QWEN_ANCHOR_METHODS := full;speed:lcut=18,anchors=first;speed:lcut=18,anchors=sink:4;speed:lcut=18,anchors=none;speed:lcut=21,anchors=first;speed:lcut=21,anchors=sink:4;speed:lcut=21,anchors=none;speed:lcut=23,anchors=first
+QWEN_ANCHOR_METHODS := full;speed:lcut=18,anchors=first,deep=1;speed:lcut=18,anchors=sink:4,deep=1;speed:lcut=18,anchors=none,deep=1;speed:lcut=21,anchors=first,deep=1;speed:lcut=21,anchors=sink:4,deep=1;speed:lcut=21,anchors=none,deep=1;speed:lcut=23,anchors=first,deep=1
 QWEN_EVAL := $(VENV)/bin/speedkv eval --model $(QWEN) --dtype bfloat16 --seed 0 \
 	--methods "$(QWEN_ANCHOR_METHODS)" --shared-prefill --resume
 .PHONY: eval-qwen
@@ -98,7 +98,7 @@ eval-qwen: qwen
 
 # Quality tables in docs/results.md: every method on needle, fidelity and sanity tasks at 2K and
 # 4K tokens (about 2.5 h of runs here). Resumable: rerun after an interruption to continue.
-RESULTS_METHODS := full;speed:lcut=15,anchors=bos;speed:lcut=15,anchors=none;speed:lcut=22,anchors=bos;speed:lcut=22,anchors=none;speed:lcut=26,anchors=bos;speed:lcut=26,anchors=none;speed:lcut=22,anchors=bos,selfonly=true;pop;swiftkv;fastkv;specprefill;gemfilter;snapkv;streamingllm;h2o;pyramidinfer
+RESULTS_METHODS := full;speed:lcut=15,anchors=bos,deep=1;speed:lcut=15,anchors=none,deep=1;speed:lcut=22,anchors=bos,deep=1;speed:lcut=22,anchors=none,deep=1;speed:lcut=26,anchors=bos,deep=1;speed:lcut=26,anchors=none,deep=1;speed:lcut=22,anchors=bos,selfonly=true,deep=1;pop;swiftkv;fastkv;specprefill;gemfilter;snapkv;streamingllm;h2o;pyramidinfer
 RESULTS_N := niah=10,niah_multikey=4,niah_multivalue=3,vt=3,fidelity=4,sanity=12
 RESULTS_FLAGS ?=  # e.g. RESULTS_FLAGS=--threads=1 when other jobs share the CPU
 
@@ -139,11 +139,11 @@ $(VLLM_STAMP): pyproject.toml Makefile
 # speedkv's (about 3 min); benchmarks/vllm/
 .PHONY: bench-vllm
 bench-vllm: vllm-venv
-	$(VLLM_VENV)/bin/speedkv bench --backend vllm --methods "speed:lcut=22,anchors=bos" \
+	$(VLLM_VENV)/bin/speedkv bench --backend vllm --methods "speed:lcut=22,anchors=bos,deep=1" \
 		--lengths 2048,4096,8000 --max-new-tokens 32 --repeats 3 --dtype bfloat16 \
 		--out benchmarks/vllm/bench --readme benchmarks/vllm/bench/README.md
 	$(VLLM_VENV)/bin/python benchmarks/loadtest.py --backends speedkv,vllm --modes batched \
-		--methods "full;speed:lcut=22,anchors=bos" --clients 32 --max-tokens 32 --dtype bfloat16 \
+		--methods "full;speed:lcut=22,anchors=bos,deep=1" --clients 32 --max-tokens 32 --dtype bfloat16 \
 		--out benchmarks/vllm/serving
 
 # llama.cpp's Python binding, built from its source distribution (no prebuilt wheel loads on
@@ -254,7 +254,7 @@ results: install
 # files and both runs' logs stay in runs/ruler-served/; about 4 min on 2 cores).
 .PHONY: ruler-served
 ruler-served: install
-	$(PY) benchmarks/ruler_served.py --model smollm2-135m --dtype bfloat16 --methods "full;speed" \
+	$(PY) benchmarks/ruler_served.py --model smollm2-135m --dtype bfloat16 --methods "full;speed:lcut=22,anchors=bos,deep=1" \
 		--tasks niah_single_1,niah_multikey_1,vt,qa_1 --length 4096 --samples 4 --seed 0 \
 		--routes completion,chat --work runs/ruler-served --out benchmarks/ruler-served \
 		--command "make ruler-served"
@@ -287,7 +287,7 @@ full-it-speed22-bos full-it-speed22-none full-it-speed18-bos: full-it-speed%: in
 	mkdir -p runs/full-it/speed$*
 	[ -f runs/full-it/speed$*/data.jsonl ] || [ ! -f runs/full-it/full/data.jsonl ] || \
 		cp runs/full-it/full/data.jsonl runs/full-it/speed$*/
-	$(VENV)/bin/speedkv train --method "speed:lcut=$(word 1,$(subst -, ,$*)),anchors=$(word 2,$(subst -, ,$*))" \
+	$(VENV)/bin/speedkv train --method "speed:lcut=$(word 1,$(subst -, ,$*)),anchors=$(word 2,$(subst -, ,$*)),deep=1" \
 		--out runs/full-it/speed$* $(FULL_TRAIN_RECIPE)
 
 # The study's table: each trained model at its own method, the untrained model (full depth and
@@ -301,12 +301,12 @@ full-study-eval: install
 	$(FULL_EVAL) --model runs/full-it/full --methods full --out runs/full-it-eval/full
 	for run in 22-bos 22-none 18-bos; do \
 		$(FULL_EVAL) --model runs/full-it/speed$$run --out runs/full-it-eval/speed$$run \
-			--methods "speed:lcut=$${run%-*},anchors=$${run#*-}" || exit 1; \
+			--methods "speed:lcut=$${run%-*},anchors=$${run#*-},deep=1" || exit 1; \
 	done
 	$(FULL_EVAL) --model smollm2-135m --out runs/full-it-eval/untrained \
-		--methods "full;speed:lcut=22,anchors=bos"
+		--methods "full;speed:lcut=22,anchors=bos,deep=1"
 	$(FULL_EVAL) --model smollm2-135m --adapter $(SPEED22_ADAPTER) --out runs/full-it-eval/lora-speed22-bos \
-		--methods "speed:lcut=22,anchors=bos"
+		--methods "speed:lcut=22,anchors=bos,deep=1"
 
 # The study's one table (docs/training.md): every run above, a row per model and method.
 .PHONY: full-study-table
@@ -322,9 +322,9 @@ SPEED22_ADAPTER := adapters/smollm2-135m-speed22-bos
 
 .PHONY: adapter adapter-baseline adapter-sweep adapter-speed15 adapter-speed26
 
-# The shipped adapter: SmolLM2-135M for speed:lcut=22,anchors=bos (about 85 min on 2 free cores).
+# The shipped adapter: SmolLM2-135M for speed:lcut=22,anchors=bos,deep=1 (about 85 min on 2 free cores).
 adapter: install
-	$(VENV)/bin/speedkv train --method "speed:lcut=22,anchors=bos" --out runs/train/speed22-bos \
+	$(VENV)/bin/speedkv train --method "speed:lcut=22,anchors=bos,deep=1" --out runs/train/speed22-bos \
 		$(TRAIN_RECIPE)
 	mkdir -p $(SPEED22_ADAPTER)
 	cd runs/train/speed22-bos && cp adapter_config.json adapter_model.safetensors training.json \
@@ -342,7 +342,7 @@ adapter-speed15 adapter-speed26: adapter-speed%: install
 	mkdir -p runs/train/speed$*-bos
 	[ -f runs/train/speed$*-bos/data.jsonl ] || [ ! -f runs/train/full/data.jsonl ] || \
 		cp runs/train/full/data.jsonl runs/train/speed$*-bos/
-	$(VENV)/bin/speedkv train --method "speed:lcut=$*,anchors=bos" --out runs/train/speed$*-bos \
+	$(VENV)/bin/speedkv train --method "speed:lcut=$*,anchors=bos,deep=1" --out runs/train/speed$*-bos \
 		$(TRAIN_RECIPE) --threads 1
 
 # Qwen2.5's SPEED-aware adapter (docs/qwen.md): the same recipe on the second family, at its
@@ -350,7 +350,7 @@ adapter-speed15 adapter-speed26: adapter-speed%: install
 QWEN_ADAPTER := adapters/qwen2.5-coder-0.5b-speed18-sink4
 .PHONY: adapter-qwen
 adapter-qwen: qwen
-	$(VENV)/bin/speedkv train --method "speed:lcut=18,anchors=sink:4" --out runs/train/qwen-speed18-sink4 \
+	$(VENV)/bin/speedkv train --method "speed:lcut=18,anchors=sink:4,deep=1" --out runs/train/qwen-speed18-sink4 \
 		$(subst --model smollm2-135m,--model $(QWEN),$(TRAIN_RECIPE))
 	mkdir -p $(QWEN_ADAPTER)
 	cd runs/train/qwen-speed18-sink4 && cp adapter_config.json adapter_model.safetensors \
@@ -363,13 +363,13 @@ adapter-qwen: qwen
 .PHONY: eval-qwen-adapter
 eval-qwen-adapter: qwen
 	$(VENV)/bin/speedkv eval --model $(QWEN) --adapter $(QWEN_ADAPTER) --reference $(QWEN) \
-		--dtype bfloat16 --seed 0 --methods "full;speed:lcut=18,anchors=sink:4" --shared-prefill \
+		--dtype bfloat16 --seed 0 --methods "full;speed:lcut=18,anchors=sink:4,deep=1" --shared-prefill \
 		--tasks niah,fidelity,sanity --lengths 1024,8192 --samples niah=10,fidelity=4 \
 		--out runs/eval-qwen/adapter --resume
 	$(VENV)/bin/speedkv eval --model $(QWEN) --adapter $(QWEN_ADAPTER) --dtype bfloat16 --seed 0 \
-		--methods "full;speed:lcut=18,anchors=sink:4" --tasks sanity --out runs/eval-qwen/adapter-sanity --resume
+		--methods "full;speed:lcut=18,anchors=sink:4,deep=1" --tasks sanity --out runs/eval-qwen/adapter-sanity --resume
 	$(VENV)/bin/speedkv eval --model $(QWEN) --adapter $(QWEN_ADAPTER) --dtype bfloat16 --seed 0 \
-		--methods "full;speed:lcut=18,anchors=sink:4" --tasks sanity --split calib --samples sanity=16 \
+		--methods "full;speed:lcut=18,anchors=sink:4,deep=1" --tasks sanity --split calib --samples sanity=16 \
 		--out runs/eval-qwen/adapter-sanity-calib --resume
 
 # The GPU check (docs/gpu.md): the engine's reference tests on the GPU, then full against

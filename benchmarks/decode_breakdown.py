@@ -111,7 +111,7 @@ def measure(engine: Engine, ids: list[int], method: str, steps: int) -> dict:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--lengths", default="2048,8192")
-    parser.add_argument("--methods", default="full;speed:lcut=22,anchors=bos")
+    parser.add_argument("--methods", default="full;speed:lcut=22,anchors=bos,deep=1")
     parser.add_argument("--modes", default="plain,prepacked", help="plain and/or prepacked")
     parser.add_argument("--steps", type=int, default=24)
     parser.add_argument("--dtype", default="bfloat16")

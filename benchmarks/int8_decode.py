@@ -19,7 +19,7 @@ from speedkv.prompts.builders import chat_document
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--lengths", default="2048,4096")
-    parser.add_argument("--methods", default="full;speed:lcut=22,anchors=bos")
+    parser.add_argument("--methods", default="full;speed:lcut=22,anchors=bos,deep=1")
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--new-tokens", type=int, default=32)
     parser.add_argument("--dtype", default="bfloat16")

@@ -12,7 +12,7 @@ TPOT percentiles, and the peak KV bytes the server held.
     .venv/bin/python benchmarks/loadtest.py --clients 32 --out runs/loadtest
     .venv/bin/python benchmarks/loadtest.py --clients 8 --lengths 64,128 --max-tokens 16  # quick
     .venv-vllm/bin/python benchmarks/loadtest.py --backends speedkv,vllm --modes batched \
-        --methods "full;speed:lcut=22,anchors=bos" --out benchmarks/vllm/serving
+        --methods "full;speed:lcut=22,anchors=bos,deep=1" --out benchmarks/vllm/serving
 
 TTFT is measured by the client (request sent -> first content chunk), TPOT too (the rest of the
 response over its remaining tokens), so both backends are timed the same way.
@@ -372,7 +372,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--model", default="smollm2-135m")
     parser.add_argument(
-        "--methods", default="full;speed:lcut=22,anchors=bos", help="Method specs separated by ';'."
+        "--methods",
+        default="full;speed:lcut=22,anchors=bos,deep=1",
+        help="Method specs separated by ';'.",
     )
     parser.add_argument("--clients", type=int, default=32, help="Concurrent streaming clients.")
     parser.add_argument(

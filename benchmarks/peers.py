@@ -46,7 +46,7 @@ from speedkv.bench.roofline import MachineLimits, measure_limits
 from speedkv.prompts.builders import exact_chat_prompt
 
 HERE = Path(__file__).resolve().parent
-SPEED = "speed:lcut=22,anchors=bos"
+SPEED = "speed:lcut=22,anchors=bos,deep=1"
 LIMIT = "limit of this machine"
 
 

@@ -49,7 +49,7 @@ def main() -> None:
     parser.add_argument("--url", default="http://127.0.0.1:8000")
     parser.add_argument("--model", default="smollm2-135m")
     parser.add_argument("--tokens", type=int, default=4000, help="Document length, about.")
-    parser.add_argument("--methods", default="full;speed:lcut=22,anchors=bos")
+    parser.add_argument("--methods", default="full;speed:lcut=22,anchors=bos,deep=1")
     parser.add_argument("--api-key", default=None)
     args = parser.parse_args()
     headers = {"Authorization": f"Bearer {args.api_key}"} if args.api_key else {}

@@ -90,7 +90,10 @@ def measure(method: str, compact: bool, args, prompts) -> dict:
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--model", default="smollm2-135m")
-    p.add_argument("--methods", default="full;speed:lcut=15,anchors=bos;speed:lcut=22,anchors=bos")
+    p.add_argument(
+        "--methods",
+        default="full;speed:lcut=15,anchors=bos,deep=1;speed:lcut=22,anchors=bos,deep=1",
+    )
     p.add_argument("--prompt-tokens", type=int, default=4096)
     p.add_argument("--new-tokens", type=int, default=32)
     p.add_argument("--requests", type=int, default=12)

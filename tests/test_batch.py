@@ -10,7 +10,7 @@ from conftest import random_prompt
 def requests(shape, sampling_for):
     specs = [
         "full",
-        "speed:lcut=3,anchors=bos",
+        "speed:lcut=3,anchors=bos,deep=1",
         "speed:lcut=1,anchors=sink:4,deep=3,selfonly=true",
         "full",
     ]
@@ -47,7 +47,7 @@ def test_requests_join_and_leave_between_steps(tiny, tiny_engine):
     from speedkv.core.engine import Batch
 
     def request(seed, new):
-        policy = make_policy("speed:lcut=3,anchors=bos", tiny.shape)
+        policy = make_policy("speed:lcut=3,anchors=bos,deep=1", tiny.shape)
         return Request(
             random_prompt(30 + seed, seed=seed), policy, SamplingParams(max_new_tokens=new)
         )

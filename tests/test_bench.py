@@ -13,7 +13,7 @@ from speedkv.prompts.builders import exact_chat_prompt
 
 pytestmark = pytest.mark.real_model
 
-SPECS = ["full", "speed:lcut=22,anchors=bos"]
+SPECS = ["full", "speed:lcut=22,anchors=bos,deep=1"]
 
 
 def test_prompts_have_the_exact_length_and_chat_framing(smollm2):

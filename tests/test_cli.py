@@ -77,7 +77,7 @@ def test_generate_json_has_every_field(smollm2, monkeypatch, capsys):
         "generate",
         "What is the capital of France?",
         "--method",
-        "speed:lcut=22,anchors=bos",
+        "speed:lcut=22,anchors=bos,deep=1",
         "-n",
         "8",
         "--json",

@@ -77,7 +77,9 @@ def place(tmp_path_factory) -> Path:
         (junk / name).write_bytes(garbage)
     # a whole prefix file (of a tiny model), so that --load gets past its own checks
     engine = Engine(tiny_model("llama"))
-    save_prefix(engine.prefill(list(range(1, 20)), "speed:lcut=2"), root / "prefix.kv", engine)
+    save_prefix(
+        engine.prefill(list(range(1, 20)), "speed:lcut=2,deep=1"), root / "prefix.kv", engine
+    )
     return root
 
 

@@ -181,7 +181,7 @@ def test_batched_engine_decode_is_the_same_on_native_and_torch_kernels(dtype, mo
     engine = Engine(model)
     specs = [
         "full",
-        "speed:lcut=3,anchors=bos",
+        "speed:lcut=3,anchors=bos,deep=1",
         "h2o:heavy=0.3,recent=0.3",
         "snapkv:retain=0.5,window=4,gqa=false",
     ]
@@ -282,7 +282,7 @@ def test_prepacked_decode_equals_plain_weights(family, dtype):
     model = tiny_model(family)
     model.hf_model.to(dtype)
     engine = Engine(model)
-    specs = ["full", "speed:lcut=3,anchors=bos", "speed:lcut=4,anchors=none,deep=3"]
+    specs = ["full", "speed:lcut=3,anchors=bos,deep=1", "speed:lcut=4,anchors=none,deep=3"]
     prompts = [random_prompt(n, seed=n) for n in (9, 23, 40)]
 
     def run():
@@ -411,7 +411,7 @@ def test_engine_decode_is_the_same_with_and_without_the_small_ops(small_ops, fam
     model.hf_model.to(dtype)
     engine = Engine(model)
     assert model.backbone.native_ops is not None  # the engine handed them over
-    specs = ["full", "speed:lcut=3,anchors=bos"]
+    specs = ["full", "speed:lcut=3,anchors=bos,deep=1"]
     prompts = [random_prompt(n, seed=n) for n in (9, 40)]
 
     def logits():

@@ -103,7 +103,7 @@ def test_diagnose_end_to_end(tiny_engine, tmp_path):
     from speedkv.analysis.diagnose_plots import write_figures
 
     prompts = [random_prompt(24, seed=s) for s in (1, 2, 3)]
-    result = diagnose(tiny_engine, prompts, new_tokens=6, lcut=3, progress=False)
+    result = diagnose(tiny_engine, prompts, new_tokens=6, lcut=3, deep=1, progress=False)
     full, speed = result["variants"]["full"], result["variants"]["speed"]
     # the dense traces reproduce the engine's own greedy decode
     assert full["trace_engine_agreement"] == 1.0 and speed["trace_engine_agreement"] == 1.0
@@ -171,7 +171,7 @@ def test_sweep_matches_the_engine_decode_path(tiny_engine):
         (c, lg) for c, lg, _ in shared_logits(tiny_engine.backbone, torch.tensor(ids), 32, [2, 4])
     )
     for cut in (2, 4):
-        policy = make_policy(f"speed:lcut={cut},anchors=bos", tiny_engine.shape)
+        policy = make_policy(f"speed:lcut={cut},anchors=bos,deep=1", tiny_engine.shape)
         done = tiny_engine.prefill_ids(prompt, policy, spare=len(cont))
         rows = [done.logits]
         for i, token in enumerate(cont[:-1]):
@@ -233,6 +233,8 @@ NOT_JSON = str(Path(__file__).resolve().parents[1] / "pyproject.toml")
         (["choose-lcut", "--anchors", "last"], "anchors must be"),
         (["choose-lcut", "--adapter", "/tmp/x"], "is not an adapter directory"),
         (["choose-lcut", "--samples", "0"], "samples must be at least 1"),
+        (["choose-lcut", "--deep", "0"], "--deep': Input should be greater than or equal to 1"),
+        (["diagnose", "--deep", "0"], "--deep': Input should be greater than or equal to 1"),
         (["choose-lcut", "--plot-with", NOT_JSON], "give --plot PATH too"),
         (["choose-lcut", "--plot", "x.png", "--plot-with", NOT_JSON], "not choose-lcut's"),
         (["diagnose", "--prompts-file", "/nonexistent.txt"], "does not exist"),
@@ -257,7 +259,7 @@ def test_bad_prompt_files(tmp_path, monkeypatch, capsys):
 @pytest.mark.real_model
 def test_choose_lcut_on_smollm2(smollm2, monkeypatch, capsys):
     args = ["choose-lcut", "--samples", "1", "--prompt-tokens", "64", "--continuation-tokens", "8"]
-    args += ["--candidates", "26,28..30", "--budget", "agreement=0.5", "--json"]
+    args += ["--candidates", "26,28..30", "--budget", "agreement=0.5", "--deep", "1", "--json"]
     code, out, _ = run_cli(args, monkeypatch, capsys, model=smollm2)
     result = json.loads(out)
     assert code == 0 and result["cutoffs"]["30"]["agreement"] == 1.0
@@ -269,7 +271,7 @@ def test_choose_lcut_on_smollm2(smollm2, monkeypatch, capsys):
 @pytest.mark.real_model
 def test_choose_lcut_plots_sweeps_together(smollm2, tmp_path, monkeypatch, capsys):
     args = ["choose-lcut", "--samples", "1", "--prompt-tokens", "64", "--continuation-tokens", "8"]
-    args += ["--candidates", "28..30", "--json"]
+    args += ["--candidates", "28..30", "--deep", "1", "--json"]
     code, out, _ = run_cli([*args, "--anchors", "none"], monkeypatch, capsys, model=smollm2)
     saved = tmp_path / "none.json"
     saved.write_text(out)

@@ -20,9 +20,38 @@ def test_full_and_uncut_speed_equal_hf_generate(tiny, tiny_engine, n):
     ids = random_prompt(n)
     expected = hf_generate(tiny.hf_model, ids, 12, min_new_tokens=12)
     L = tiny.shape.num_layers
-    for spec in ("full", f"speed:lcut={L},anchors=bos", f"speed:lcut={L},anchors=none,deep=5"):
+    for spec in (
+        "full",
+        f"speed:lcut={L},anchors=bos,deep=1",
+        f"speed:lcut={L},anchors=none,deep=5",
+    ):
         request = Request(ids, make_policy(spec, tiny.shape), SamplingParams(max_new_tokens=12))
         assert tiny_engine.generate([request])[0].output_ids == expected, spec
+
+
+@pytest.mark.parametrize("n", [20, 64, 90])
+def test_the_default_deep_suffix_runs_short_prompts_at_full_depth(tiny, tiny_engine, n):
+    """`speed` with its default deep suffix (64 tokens): a prompt of at most 64 tokens runs
+    every layer, so it answers as full attention does; a longer one is cut below its last 64
+    tokens and equals the dense reference at deep=64."""
+    from speedkv.methods.speed import DEFAULT_DEEP
+
+    ids = random_prompt(n, seed=n)
+    lcut = 2
+    policy = make_policy(f"speed:lcut={lcut},anchors=bos", tiny.shape)
+    assert policy.rule.deep == DEFAULT_DEEP == 64
+    tokens, logits, _ = greedy_with_logits(tiny_engine, ids, policy, steps=6)
+    full, _, _ = greedy_with_logits(tiny_engine, ids, make_policy("full", tiny.shape), steps=6)
+    dense, positions = speed_dense_forward(
+        tiny.backbone, torch.tensor(ids + tokens[:-1]), n, lcut, 1, DEFAULT_DEEP, False
+    )
+    dense = dense[positions >= n - 1]
+    assert torch.allclose(logits, dense, atol=1e-4, rtol=0)
+    if n <= DEFAULT_DEEP:
+        assert tokens == full
+    else:  # the cut shows: each upper layer holds the anchor and the 64 deep rows, not n
+        lengths = tiny_engine.prefill(ids, f"speed:lcut={lcut},anchors=bos").cache.lengths()
+        assert lengths == [n] * lcut + [1 + DEFAULT_DEEP] * (tiny.shape.num_layers - lcut)
 
 
 GRID = list(

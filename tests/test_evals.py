@@ -142,7 +142,7 @@ def test_teacher_forcing_equals_dense_speed(tiny_engine, anchors, count):
     """The decode path's log-probs at every continuation position equal SPEED computed
     densely by transformers' own layers."""
     prompt, continuation = random_prompt(37, seed=5), random_prompt(5, seed=6)
-    policy = make_policy(f"speed:lcut=2,anchors={anchors}", tiny_engine.shape)
+    policy = make_policy(f"speed:lcut=2,anchors={anchors},deep=1", tiny_engine.shape)
     ours = fidelity.teacher_forced_logprobs(tiny_engine, prompt, continuation, policy)
     ids = torch.tensor(prompt + continuation)
     logits, positions = speed_dense_forward(tiny_engine.backbone, ids, len(prompt), 2, count)
@@ -167,7 +167,7 @@ def test_fidelity_sample_is_a_passage_and_its_continuation(tokenizer):
 
 
 # -- the runner ------------------------------------------------------------------------------
-METHODS = ["full", "speed:lcut=1,anchors=bos", "speed:lcut=4"]
+METHODS = ["full", "speed:lcut=1,anchors=bos,deep=1", "speed:lcut=4,deep=1"]
 TASKS = ["niah", "niah_multikey", "niah_multivalue", "vt", "fidelity", "sanity"]
 
 
@@ -240,9 +240,9 @@ def test_resume_and_rerun_give_the_same_records(word_model, tmp_path, monkeypatc
 
 def test_shared_prefill_gives_the_answers_of_separate_runs(word_model, tmp_path):
     methods = [
-        "speed:lcut=1,anchors=bos",
+        "speed:lcut=1,anchors=bos,deep=1",
         "speed:lcut=2,anchors=sink:4,deep=3",
-        "speed:lcut=1,anchors=none,selfonly=true",  # runs its own prefill
+        "speed:lcut=1,anchors=none,selfonly=true,deep=1",  # runs its own prefill
         "snapkv",  # not SPEED: its own prefill
     ]
     config = small_config(methods=methods, tasks=["niah"], n={"niah": 2})
@@ -413,7 +413,7 @@ def test_summary_and_markdown_table():
     ],
 )
 def test_bad_arguments_exit_2_with_one_sentence(args, message, word_model, monkeypatch, capsys):
-    base = ["eval", "--methods", "full;speed:lcut=2"]
+    base = ["eval", "--methods", "full;speed:lcut=2,deep=1"]
     code, _, err = run_cli([*base, *args], monkeypatch, capsys, model=word_model)
     assert code == 2
     assert message in err and "Traceback" not in err
@@ -424,7 +424,15 @@ def test_bad_arguments_exit_2_with_one_sentence(args, message, word_model, monke
 
 def test_eval_json_and_report(word_model, tmp_path, monkeypatch, capsys):
     out = tmp_path / "run"
-    args = ["eval", "--methods", "speed:lcut=2", "--tasks", "niah,sanity", "--lengths", "300"]
+    args = [
+        "eval",
+        "--methods",
+        "speed:lcut=2,deep=1",
+        "--tasks",
+        "niah,sanity",
+        "--lengths",
+        "300",
+    ]
     args += ["--samples", "1", "--json"]
     code, stdout, _ = run_cli([*args, "--out", str(out)], monkeypatch, capsys, model=word_model)
     assert code == 0
@@ -476,7 +484,7 @@ def test_eval_report_compares_several_runs_in_one_table(word_model, tmp_path, mo
     """Several directories: a row per run and method, fidelity as perplexity, its ratio and
     top-1 agreement, each run's reference named under the table."""
     outs = []
-    for name, methods in (("a", "full"), ("b", "speed:lcut=2")):
+    for name, methods in (("a", "full"), ("b", "speed:lcut=2,deep=1")):
         out = tmp_path / name
         args = ["eval", "--methods", methods, "--tasks", "niah,fidelity", "--lengths", "300"]
         args += ["--samples", "1", "--json", "--out", str(out)]
@@ -539,7 +547,7 @@ def test_full_finds_the_pass_key(smollm2, tmp_path):
 
 
 def test_eval_reference_option_names_the_yardstick(word_model, tmp_path, monkeypatch, capsys):
-    args = ["eval", "--methods", "speed:lcut=2", "--tasks", "sanity", "--samples", "1"]
+    args = ["eval", "--methods", "speed:lcut=2,deep=1", "--tasks", "sanity", "--samples", "1"]
     args += ["--reference", "tiny-tuned", "--out", str(tmp_path)]
     code, stdout, _ = run_cli(args, monkeypatch, capsys, model=word_model)
     assert code == 0 and "compare with full attention on `tiny-tuned`" in stdout

@@ -40,7 +40,7 @@ def decode_both(engine, prompts: list[list[int]], specs: list[str]):
     "spec",
     [
         "full",
-        "speed:lcut=3,anchors=bos",
+        "speed:lcut=3,anchors=bos,deep=1",
         "speed:lcut=2,anchors=sink:2,deep=3",
         "snapkv:retain=0.5,window=4,gqa=false",  # a cache kept per query head
         "fastkv:retain=0.5",
@@ -57,7 +57,7 @@ def test_recorded_step_equals_the_engines_step(tiny_engine, spec):
 
 def test_a_mixed_batch_equals_the_engines_batch(tiny_engine):
     prompts = [random_prompt(n, seed=n) for n in (11, 40)]
-    steps, ref, rec = decode_both(tiny_engine, prompts, ["full", "speed:lcut=3,anchors=bos"])
+    steps, ref, rec = decode_both(tiny_engine, prompts, ["full", "speed:lcut=3,anchors=bos,deep=1"])
     for want, got in steps:
         assert (got - want).abs().max() < 1e-4
     assert [c.cache.lengths() for c in ref] == [c.cache.lengths() for c in rec]

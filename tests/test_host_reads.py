@@ -46,7 +46,12 @@ def reads_of(engine: Engine, spec: str, monkeypatch) -> int:
     return sum(counts.values())
 
 
-SPECS = ["full", "speed:lcut=2,anchors=bos,deep=3", "speed:lcut=4", "speed:lcut=2,selfonly=true"]
+SPECS = [
+    "full",
+    "speed:lcut=2,anchors=bos,deep=3",
+    "speed:lcut=4,deep=1",
+    "speed:lcut=2,selfonly=true,deep=1",
+]
 
 
 @pytest.mark.parametrize("spec", SPECS)

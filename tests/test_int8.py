@@ -67,7 +67,7 @@ def test_engine_on_int8_weights_equals_hf_generate_of_the_same_weights(quantized
     expected = hf_generate(quantized.hf_model, ids, 10, min_new_tokens=10)
     engine = Engine(quantized, chunk_size=16)
     L = quantized.shape.num_layers
-    for spec in ("full", f"speed:lcut={L},anchors=bos"):
+    for spec in ("full", f"speed:lcut={L},anchors=bos,deep=1"):
         request = Request(
             ids, make_policy(spec, quantized.shape), SamplingParams(max_new_tokens=10)
         )

@@ -60,7 +60,7 @@ def test_prefill_work_counts_and_flops(tiny, tiny_engine):
     full = tiny_engine.prefill_ids(random_prompt(N), make_policy("full", tiny.shape))
     assert full.rows == [N] * L and full.pairs == [N * (N + 1) // 2] * L
     speed = tiny_engine.prefill_ids(
-        random_prompt(N), make_policy("speed:lcut=4,anchors=bos", tiny.shape)
+        random_prompt(N), make_policy("speed:lcut=4,anchors=bos,deep=1", tiny.shape)
     )
     assert speed.rows == [N] * 4 + [2] * (L - 4)
     assert speed.pairs == [N * (N + 1) // 2] * 4 + [3] * (L - 4)  # BoS sees itself; last sees both

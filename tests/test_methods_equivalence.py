@@ -124,7 +124,7 @@ def test_pyramidinfer_bytes_follow_its_schedule(tiny, tiny_engine):
 
 
 # every method at its defaults, plus SPEED without its BoS anchor
-DEFAULTS = [*method_names(), "speed:anchors=none"]
+DEFAULTS = [*method_names(), "speed:anchors=none,deep=1"]
 
 
 @pytest.mark.parametrize("spec", DEFAULTS)

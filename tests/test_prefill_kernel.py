@@ -158,7 +158,7 @@ def test_engine_prefill_on_the_native_kernel_is_as_close_to_float32_as_torchs(
     exact = copy.deepcopy(model)
     exact.hf_model.float()
     prompt = random_prompt(150, seed=3)
-    specs = ("full", "speed:lcut=3,anchors=bos")
+    specs = ("full", "speed:lcut=3,anchors=bos,deep=1")
 
     def logits(loaded):
         engine = Engine(loaded)

@@ -24,7 +24,7 @@ from conftest import random_prompt, tiny_model
 from helpers import run_cli
 
 DOC, QUESTION, NEW = 41, 9, 6
-SPEC = "speed:lcut=3,anchors=bos"
+SPEC = "speed:lcut=3,anchors=bos,deep=1"
 
 
 def saved(engine: Engine, tmp_path, spec: str = SPEC, doc=None) -> tuple[CachedPrefix, object]:
@@ -49,7 +49,12 @@ def rewrite(path, change) -> None:
 # -- the round trip ---------------------------------------------------------------------------
 @pytest.mark.parametrize(
     "spec",
-    ["full", SPEC, "speed:lcut=2,anchors=none,deep=3", "speed:lcut=3,anchors=bos,selfonly=true"],
+    [
+        "full",
+        SPEC,
+        "speed:lcut=2,anchors=none,deep=3",
+        "speed:lcut=3,anchors=bos,selfonly=true,deep=1",
+    ],
 )
 def test_a_loaded_prefix_continues_exactly_as_the_one_in_memory(tiny, tiny_engine, tmp_path, spec):
     cached, path = saved(tiny_engine, tmp_path, spec)
@@ -244,7 +249,7 @@ def test_prefill_then_generate_load_on_the_command_line(word_model, tmp_path, mo
     assert result["prompt_ids"][: len(in_memory)] == in_memory.ids
     assert result["reused_tokens"] == len(in_memory) and result["method"] == record["method"]
     # an equal spec written otherwise is the same method
-    again = ["generate", "--load", str(path), "Why?", "-n", "2", "--method", "speed:lcut=3"]
+    again = ["generate", "--load", str(path), "Why?", "-n", "2", "--method", "speed:lcut=3,deep=1"]
     assert cli(again, monkeypatch, capsys, word_model)[0] == 0
     # without --json: the path on stdout, a summary on stderr
     code, out, err = cli(["prefill", "hi", "--save", str(path)], monkeypatch, capsys, word_model)
@@ -254,7 +259,11 @@ def test_prefill_then_generate_load_on_the_command_line(word_model, tmp_path, mo
 @pytest.mark.parametrize(
     "made_with, asked_with, message",
     [
-        ([], ["Why?", "--method", "speed:lcut=2"], "was prefilled with 'speed:lcut=3,anchors=bos"),
+        (
+            [],
+            ["Why?", "--method", "speed:lcut=2,deep=1"],
+            "was prefilled with 'speed:lcut=3,anchors=bos,deep=1",
+        ),
         ([], ["Why?", "--method", "full"], "leave out --method or give that one, not 'full'"),
         ([], ["Why?", "--raw"], "holds a chat conversation"),
         (["--raw"], ["Why?"], "holds raw text (prefilled with --raw); continue it with --raw"),

@@ -45,10 +45,10 @@ def dense_rows(model, ids, rule, deep_positions, first_row):
 @pytest.mark.parametrize(
     "spec",
     [
-        "speed:lcut=3,anchors=bos",
+        "speed:lcut=3,anchors=bos,deep=1",
         "speed:lcut=3,anchors=none,deep=2",
         "speed:lcut=1,anchors=sink:4,deep=turn",
-        "speed:lcut=3,anchors=bos,selfonly=true",
+        "speed:lcut=3,anchors=bos,selfonly=true,deep=1",
     ],
 )
 def test_question_on_a_cached_document_equals_the_dense_reference(tiny, tiny_engine, spec):
@@ -101,7 +101,7 @@ def test_multi_turn_chat_reuses_the_earlier_turn(tiny):
     """Turn two extends turn one's prompt and answer: the engine's prefix cache hands it the
     finished sequence's cache, and the result equals the dense reference in which turn one's
     fed-back answer tokens are full depth."""
-    spec, lcut = "speed:lcut=3,anchors=bos", 3
+    spec, lcut = "speed:lcut=3,anchors=bos,deep=1", 3
     engine = Engine(tiny, chunk_size=16, prefix_cache=PrefixCache(2**30, min_tokens=4))
     first_prompt, reply = random_prompt(DOC, seed=21), random_prompt(7, seed=22)
     sampling = SamplingParams(max_new_tokens=5)
@@ -120,7 +120,7 @@ def test_multi_turn_chat_reuses_the_earlier_turn(tiny):
 
 
 def test_two_requests_share_one_prefix_without_touching_it(tiny, tiny_engine):
-    cached = tiny_engine.prefill(random_prompt(DOC), "speed:lcut=2,anchors=bos")
+    cached = tiny_engine.prefill(random_prompt(DOC), "speed:lcut=2,anchors=bos,deep=1")
     a, b = random_prompt(QUESTION, seed=31), random_prompt(QUESTION + 3, seed=32)
     alone_a = tiny_engine.generate(cached, a, max_new_tokens=NEW).output_ids
     alone_b = tiny_engine.generate(cached, b, max_new_tokens=NEW).output_ids
@@ -142,7 +142,7 @@ def test_methods_whose_cache_depends_on_the_question_refuse(tiny, tiny_engine):
     snap = make_policy("snapkv", tiny.shape)
     with pytest.raises(UserError, match="cannot serve another prompt"):
         tiny_engine.generate([Request(cached.ids + [1, 2], snap, prefix=cached)])
-    other = make_policy("speed:lcut=2", tiny.shape)
+    other = make_policy("speed:lcut=2,deep=1", tiny.shape)
     with pytest.raises(UserError, match="runs the same method"):
         tiny_engine.generate([Request(cached.ids + [1, 2], other, prefix=cached)])
     with pytest.raises(UserError, match="does not start with"):
@@ -178,7 +178,7 @@ def test_prefix_cache_lookup_insert_and_lru_eviction():
     assert len(store) == 1
     assert store.lookup([1, 2, 3, 9], "full")[1] == 3
     assert store.lookup([1, 2, 3, 4, 5, 6], "full")[1] == 5  # the last token is recomputed
-    assert store.lookup([1, 2, 3], "speed:lcut=2") is None  # another method's cache
+    assert store.lookup([1, 2, 3], "speed:lcut=2,deep=1") is None  # another method's cache
     assert store.lookup([1, 7, 7], "full") is None  # one shared token is below min_tokens
     store.insert(entry([7, 7, 7]))
     store.lookup([1, 2, 3, 4], "full")  # freshens the first entry
@@ -319,11 +319,11 @@ def test_real_multi_turn_chat_equals_the_dense_reference(smollm2, real_doc, spec
 @pytest.mark.parametrize(
     "spec",
     [
-        "speed:lcut=3,anchors=bos",
+        "speed:lcut=3,anchors=bos,deep=1",
         "speed:lcut=4,anchors=first,deep=3",
         "speed:lcut=2,anchors=sink:4,deep=turn",
-        "speed:lcut=0,anchors=none",
-        "speed:lcut=6,anchors=bos",
+        "speed:lcut=0,anchors=none,deep=1",
+        "speed:lcut=6,anchors=bos,deep=1",
     ],
 )
 def test_speed_taken_from_a_full_prefill_equals_its_own_prefill(tiny, tiny_engine, spec):
@@ -360,9 +360,9 @@ def test_speed_taken_from_a_full_prefill_equals_its_own_prefill(tiny, tiny_engin
 
 def test_speed_is_taken_only_from_full_attention_and_not_for_selfonly(tiny, tiny_engine):
     ids = random_prompt(DOC, seed=22)
-    speed = tiny_engine.prefill(ids, "speed:lcut=3,anchors=bos")
+    speed = tiny_engine.prefill(ids, "speed:lcut=3,anchors=bos,deep=1")
     with pytest.raises(UserError, match="full-attention"):
-        make_policy("speed:lcut=2", tiny.shape).prefix_from_full(speed)
+        make_policy("speed:lcut=2,deep=1", tiny.shape).prefix_from_full(speed)
     full = tiny_engine.prefill(ids, "full")
     with pytest.raises(UserError, match="selfonly"):
-        make_policy("speed:lcut=2,selfonly=true", tiny.shape).prefix_from_full(full)
+        make_policy("speed:lcut=2,selfonly=true,deep=1", tiny.shape).prefix_from_full(full)

@@ -30,7 +30,7 @@ SMALL = {
     "demo": ["--prompt-tokens", "300", "--max-new-tokens", "4"],
     "eval": ["--lengths", "512", "--samples", "1"],
     "diagnose": ["--samples", "2", "--doc-tokens", "32", "--max-new-tokens", "4"],
-    "choose-lcut": ["--samples", "1", "--prompt-tokens", "64", "--continuation-tokens", "8"],
+    "choose-lcut": ["--samples", "1", "--prompt-tokens", "96", "--continuation-tokens", "8"],
     "calibrate-tsp": ["--samples", "1", "--prompt-tokens", "128"],
     "train": ["--steps", "2", "--seq-len", "512", "--data", "builtin:instruct=0"],
 }
@@ -135,7 +135,7 @@ def test_every_readme_command_runs(newcomer):
         if command == "serve":
             reply = serve_and_ask(args, newcomer)
             assert reply["choices"][0]["message"]["content"]
-            assert reply["speedkv"][0]["method"].startswith("speed:lcut=22,anchors=bos")
+            assert reply["speedkv"][0]["method"].startswith("speed:lcut=22,anchors=bos,deep=1")
         else:
             done = run(args + SMALL.get(command, []), newcomer)
             if "--json" in args:

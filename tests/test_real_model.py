@@ -23,17 +23,19 @@ def document_ids(smollm2):
 
 
 def test_full_and_uncut_speed_equal_hf_generate(engine, document_ids):
-    check_equals_hf_generate(engine, document_ids, ["full", "speed:lcut=30,anchors=bos"], 16)
+    check_equals_hf_generate(engine, document_ids, ["full", "speed:lcut=30,anchors=bos,deep=1"], 16)
 
 
-@pytest.mark.parametrize("spec", ["speed:lcut=22,anchors=bos", "speed:lcut=15,anchors=none"])
+@pytest.mark.parametrize(
+    "spec", ["speed:lcut=22,anchors=bos,deep=1", "speed:lcut=15,anchors=none,deep=1"]
+)
 def test_speed_equals_dense_reference(engine, document_ids, spec):
     check_equals_dense(engine, document_ids, spec, steps=8, atol=1e-4)
 
 
 def test_batch_equals_one_by_one(smollm2, engine, document_ids):
     short = encode_prompt(smollm2.tokenizer, "Name three colours.").ids
-    specs = ["full", "speed:lcut=22,anchors=bos"]
+    specs = ["full", "speed:lcut=22,anchors=bos,deep=1"]
 
     def make():
         return [

@@ -36,19 +36,24 @@ def test_qwen_prompts_have_no_bos_so_bos_anchors_are_refused(qwen, prompt_ids):
     assert not qwen.shape.starts_with_bos
     assert prompt_ids[0] != qwen.tokenizer.bos_token_id
     with pytest.raises(UserError, match="do not begin with one"):
-        make_policy("speed:lcut=18,anchors=bos", qwen.shape)
-    default = make_policy("speed:lcut=18", qwen.shape)
+        make_policy("speed:lcut=18,anchors=bos,deep=1", qwen.shape)
+    default = make_policy("speed:lcut=18,deep=1", qwen.shape)
     assert default.config.anchors == NO_BOS_DEFAULT
     assert default.rule.anchors == parse_anchors(NO_BOS_DEFAULT)
 
 
 def test_full_and_uncut_speed_equal_hf_generate(engine, prompt_ids):
-    specs = ["full", "speed:lcut=24,anchors=first", "speed:lcut=24,anchors=none"]
+    specs = ["full", "speed:lcut=24,anchors=first,deep=1", "speed:lcut=24,anchors=none,deep=1"]
     check_equals_hf_generate(engine, prompt_ids, specs, steps=12)
 
 
 @pytest.mark.parametrize(
-    "spec", ["speed:lcut=18", "speed:lcut=21,anchors=sink:4", "speed:lcut=12,anchors=none"]
+    "spec",
+    [
+        "speed:lcut=18,deep=1",
+        "speed:lcut=21,anchors=sink:4,deep=1",
+        "speed:lcut=12,anchors=none,deep=1",
+    ],
 )
 def test_speed_equals_dense_reference(engine, prompt_ids, spec):
     check_equals_dense(engine, prompt_ids, spec, steps=6, atol=1e-3)

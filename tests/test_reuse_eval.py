@@ -145,7 +145,7 @@ def test_deep_turn_in_the_harness_is_the_question_turn_or_the_whole_message(
     """The harness hands the prompt's last turn to the engine: with the question in its own
     turn, the upper layers hold BoS and that turn; in the one-message layout the turn is the
     whole message, document included."""
-    turn, one = "speed:lcut=1,anchors=bos,deep=turn", "speed:lcut=1,anchors=bos"
+    turn, one = "speed:lcut=1,anchors=bos,deep=turn", "speed:lcut=1,anchors=bos,deep=1"
     runner = EvalRunner(word_model, reuse_config(methods=[turn, one], tasks=["niah"]), tmp_path)
     turn, one = runner.methods[1:]
     asked = needles.build_sample(smol_tokenizer, "niah", 400, 0, 0, [0.5], own_turn=True)

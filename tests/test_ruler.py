@@ -258,7 +258,7 @@ def test_eval_runs_ruler_resumes_and_reports(word_model, root, tmp_path, monkeyp
     first = json.loads(stdout)["records"]
     assert len(first) == 4 and {r["method"] for r in first} == {"full"}
 
-    speed = "speed:lcut=2,anchors=bos"
+    speed = "speed:lcut=2,anchors=bos,deep=1"
     code, stdout, stderr = run_cli(
         [*args, "--methods", f"full;{speed}", "--resume"], monkeypatch, capsys, word_model
     )

@@ -20,7 +20,7 @@ pytestmark = pytest.mark.skipif(
 LENGTH = {"ruler/niah_single_1": 1024, "ruler/vt": 1024, "ruler/qa_1": 2048}
 OPENING = {"ruler/niah_single_1": "\nWhat", "ruler/vt": "\nQuestion:", "ruler/qa_1": "\n\nAnswer"}
 N = 2
-SPEED = "speed:lcut=2,anchors=bos"
+SPEED = "speed:lcut=2,anchors=bos,deep=1"
 
 
 @pytest.fixture(scope="module")

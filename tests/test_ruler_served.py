@@ -37,7 +37,7 @@ pytestmark = pytest.mark.skipif(
 TASK = "ruler/niah_single_1"
 LENGTH = 1024
 N = 2
-SPEED = "speed:lcut=2,anchors=bos"
+SPEED = "speed:lcut=2,anchors=bos,deep=1"
 MODEL = "tiny-words"
 
 

@@ -50,7 +50,7 @@ def test_visibility_is_causal_and_selfonly_only_above_the_cutoff():
 def test_rules_of_policies(tiny):
     L = tiny.shape.num_layers
     assert SpeedRule.of(make_policy("full", tiny.shape)) == SpeedRule.full(L)
-    assert SpeedRule.full(L) == SpeedRule(L, anchors=0, deep=1, selfonly=False)
+    assert SpeedRule.full(L) == SpeedRule(L, anchors=0, selfonly=False)
     speed = make_policy("speed:lcut=2,anchors=sink:3,deep=header,selfonly=true", tiny.shape)
     assert SpeedRule.of(speed) == SpeedRule(2, 3, "header", True)
     assert SpeedRule.of(speed).at(4) == SpeedRule(4, 3, "header", True)

@@ -37,7 +37,7 @@ from conftest import TINY, random_prompt
 
 KEY = "test-key"
 MODEL = "smollm2-135m"
-SPEED = "speed:lcut=22,anchors=bos"
+SPEED = "speed:lcut=22,anchors=bos,deep=1"
 SPEED_CANONICAL = "speed:lcut=22,anchors=bos,deep=1,selfonly=false"
 QUESTION = "Name three rivers in Europe."
 
@@ -223,7 +223,7 @@ def test_per_request_method_changes_the_cache(client):
     assert speed.speedkv[0]["method"] == SPEED_CANONICAL
     assert speed.speedkv[0]["kv_bytes"] < full.speedkv[0]["kv_bytes"]
     with pytest.raises(openai.BadRequestError) as bad:
-        chat(client, QUESTION, "speed:lcut=99", max_tokens=4)
+        chat(client, QUESTION, "speed:lcut=99,deep=1", max_tokens=4)
     assert bad.value.code == "invalid_method" and "lcut" in bad.value.message
 
 
@@ -640,7 +640,7 @@ def test_scheduler_queue_batching_and_cancellation(tiny, tiny_engine):
     from speedkv.server.scheduler import Job, QueueFull, Scheduler
 
     def request(seed, new_tokens):
-        policy = make_policy("speed:lcut=3,anchors=bos", tiny.shape)
+        policy = make_policy("speed:lcut=3,anchors=bos,deep=1", tiny.shape)
         sampling = SamplingParams(max_new_tokens=new_tokens)
         return Request(random_prompt(20 + seed, seed=seed), policy, sampling)
 
@@ -840,13 +840,13 @@ def test_server_config_is_checked(tiny):
         ({"max_batch": 0}, "max-batch"),
         ({"max_queue": 0}, "max-queue"),
         ({"max_prompt_tokens": tiny.shape.max_positions}, "max-prompt-tokens"),
-        ({"method": "speed:lcut=99"}, "lcut"),
+        ({"method": "speed:lcut=99,deep=1"}, "lcut"),
         ({"api_key": " "}, "API key"),
         ({"prefix_cache_bytes": -1}, "prefix-cache-bytes"),
         ({"prefix_min_tokens": 0}, "prefix-min-tokens"),
     ]:
         with pytest.raises(UserError, match=says):
             ServerConfig(model_name="m", **bad).validate(tiny.shape)
-    config = ServerConfig(model_name="m", method="speed:lcut=2").validate(tiny.shape)
+    config = ServerConfig(model_name="m", method="speed:lcut=2,deep=1").validate(tiny.shape)
     assert config.method == "speed:lcut=2,anchors=bos,deep=1,selfonly=false"
     assert config.max_prompt_tokens == tiny.shape.max_positions - 1

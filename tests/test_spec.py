@@ -20,7 +20,8 @@ def test_split_spec_keeps_colons_inside_values():
 
 def test_canonical_spec_lists_every_resolved_option():
     assert make_policy("full", SHAPE).spec() == "full"
-    assert make_policy("speed", SHAPE).spec() == "speed:lcut=22,anchors=bos,deep=1,selfonly=false"
+    # the default deep suffix is 64 tokens (DEFAULT_DEEP); the paper's is deep=1
+    assert make_policy("speed", SHAPE).spec() == "speed:lcut=22,anchors=bos,deep=64,selfonly=false"
     spec = "speed:selfonly=true,deep=header,anchors=sink:4,lcut=0"
     assert (
         make_policy(spec, SHAPE).spec() == "speed:lcut=0,anchors=sink:4,deep=header,selfonly=true"

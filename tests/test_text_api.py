@@ -28,7 +28,7 @@ def test_from_hf_runs_generate_text_end_to_end(text_engine, smol_tokenizer):
     hf = text_engine.model.hf_model
     assert not hf.training and not any(p.requires_grad for p in hf.parameters())
     result = text_engine.generate_text(
-        "Name three rivers.", "speed:lcut=4", max_new_tokens=6, ignore_eos=True
+        "Name three rivers.", "speed:lcut=4,deep=1", max_new_tokens=6, ignore_eos=True
     )
     assert result.method == "speed:lcut=4,anchors=bos,deep=1,selfonly=false"
     assert len(result.output_ids) == 6 and result.text
@@ -103,7 +103,7 @@ def test_repetition_penalty_decodes_like_transformers(tiny, tiny_engine):
 @pytest.mark.real_model
 def test_generate_text_on_the_embedded_model(smollm2):
     result = Engine(smollm2).generate_text(
-        "Name a river in Africa.", method="speed:lcut=22,anchors=bos", max_new_tokens=8
+        "Name a river in Africa.", method="speed:lcut=22,anchors=bos,deep=1", max_new_tokens=8
     )
     assert result.text.strip()
     assert result.method == "speed:lcut=22,anchors=bos,deep=1,selfonly=false"

@@ -4,6 +4,7 @@ mix, adapters, and a whole run (with resumption) on a tiny model."""
 from __future__ import annotations
 
 import copy
+import dataclasses
 import json
 import shutil
 import sys
@@ -23,9 +24,9 @@ from conftest import random_prompt
 
 SPECS = [
     "full",
-    "speed:lcut=0,anchors=bos",
+    "speed:lcut=0,anchors=bos,deep=1",
     "speed:lcut=3,anchors=none,deep=4",
-    "speed:lcut=5,anchors=sink:4,selfonly=true",
+    "speed:lcut=5,anchors=sink:4,selfonly=true,deep=1",
     "speed:lcut=2,anchors=bos,deep=header",
     "speed:lcut=2,anchors=bos,deep=turn",
 ]
@@ -79,7 +80,7 @@ def test_lora_training_forward_equals_engine_on_merged_adapter(tiny, tmp_path):
     """What is trained (LoRA live in the forward) is what runs (adapter merged, engine)."""
     from speedkv.hf.adapters import apply_adapter
 
-    spec = "speed:lcut=3,anchors=bos"
+    spec = "speed:lcut=3,anchors=bos,deep=1"
     weights = lora_copy(tiny)
     weights.save(tmp_path)
     assert_trained_forward_is_what_runs(tiny, weights, apply_adapter(tiny, tmp_path), spec)
@@ -134,7 +135,7 @@ def test_upper_layers_run_only_anchors_and_deep_positions(tiny, monkeypatch):
     assert h.shape == (deep, tiny.shape.hidden_size)
 
 
-@pytest.mark.parametrize("spec", ["speed:lcut=3,anchors=bos", "full"])
+@pytest.mark.parametrize("spec", ["speed:lcut=3,anchors=bos,deep=1", "full"])
 @pytest.mark.parametrize("kind", ["lora", "full"])
 def test_gradients_reach_every_layer(tiny, spec, kind):
     """LoRA: every adapter matrix gets a gradient. Full parameters: every weight of every
@@ -191,7 +192,9 @@ def test_activation_checkpointing_recomputes_layers_and_keeps_the_gradients(tiny
             enable_activation_checkpointing(weights.model)
         weights.model.train()
         count = count_first_mlp_calls(weights.model)
-        objective = SpeedObjective(weights, visibility_for("speed:lcut=2,anchors=bos", tiny.shape))
+        objective = SpeedObjective(
+            weights, visibility_for("speed:lcut=2,anchors=bos,deep=1", tiny.shape)
+        )
         objective([example])["loss"].backward()
         calls.append(count[0])
         grads.append([p.grad.clone() for p in weights.model.parameters()])
@@ -212,7 +215,7 @@ def test_step_bench_runs_in_train_mode_so_checkpointing_recomputes(tiny):
     enable_activation_checkpointing(weights.model)
     count = count_first_mlp_calls(weights.model)
     example = Example(torch.tensor(random_prompt(40, seed=9)), 30, None, "test")
-    vis = visibility_for("speed:lcut=2,anchors=bos", tiny.shape)
+    vis = visibility_for("speed:lcut=2,anchors=bos,deep=1", tiny.shape)
     measure_step_speed(weights, [vis], [example], repeats=1, bf16=False)
     assert count[0] == 4  # a warm-up and a measured step, each forward then recomputed
 
@@ -224,7 +227,7 @@ def test_full_parameter_training_forward_equals_engine_on_its_saved_model(
     loaded as --model, gives the engine the training forward's logits."""
     from speedkv.hf.loading import load_model
 
-    spec = "speed:lcut=3,anchors=bos"
+    spec = "speed:lcut=3,anchors=bos,deep=1"
     weights = FullWeights(copy.deepcopy(tiny.hf_model), smol_tokenizer)
     with torch.no_grad():  # a trained model: every weight moved
         generator = torch.Generator().manual_seed(1)
@@ -375,7 +378,7 @@ def test_adapter_method_mismatch_warns_and_shape_mismatch_refuses(tiny, tmp_path
     (tmp_path / INFO_NAME).write_text(json.dumps(record))
     assert read_adapter_info(tmp_path)["method"] == spec
     info = read_adapter_info(tmp_path)
-    shorter = make_policy("speed:lcut=3", tiny.shape)
+    shorter = make_policy("speed:lcut=3,deep=1", tiny.shape)
     assert method_mismatch(info, shorter) is None  # the same, spelt shorter
     full = make_policy("full", tiny.shape)
     assert f"trained for '{spec}' but runs with 'full'" in method_mismatch(info, full)
@@ -430,7 +433,7 @@ def tiny_run(model_dir, **options):
     from speedkv.train.trainer import TrainConfig
 
     settings = {
-        "model": str(model_dir), "method": "speed:lcut=2,anchors=bos", "data": "builtin",
+        "model": str(model_dir), "method": "speed:lcut=2,anchors=bos,deep=1", "data": "builtin",
         "steps": 4, "seq_len": 512, "save_every": 2, "distill": 0.5, "bf16": False,
         "save_dtype": "float32", **options,
     }  # fmt: skip
@@ -617,7 +620,7 @@ def test_training_forward_matches_engine_on_smollm2(smollm2):
     text = haystack_text(smollm2.tokenizer, 400, split="calib")
     ids = smollm2.tokenizer(text)["input_ids"]
     prompt, response = ids[:380], ids[380:400]
-    spec = "speed:lcut=22,anchors=bos"
+    spec = "speed:lcut=22,anchors=bos,deep=1"
     expected = engine_response_logits(Engine(smollm2), spec, prompt, response)
     vis = visibility_for(spec, smollm2.shape)
     with torch.no_grad():
@@ -664,3 +667,22 @@ def test_a_run_shorter_than_one_log_interval_still_logs_its_loss(tmp_path):
     assert logging_steps(2) == 2
     assert logging_steps(600) == 5
     assert logging_steps(None) == 5  # by epochs: the step count is not known up front
+
+
+def test_spelled_deep_keeps_a_resumed_run_on_the_suffix_it_was_trained_with(tmp_path):
+    """A run.json written before the default deep suffix became 64 holds a SPEED spec without
+    `deep=`, which meant deep=1 then: resuming it under the new default must be refused, and
+    resuming it with deep=1 spelled out must go on."""
+    from speedkv.train.trainer import TrainConfig, _check_run_dir, spelled_deep
+
+    assert spelled_deep("speed", 64) == "speed:deep=64"
+    assert spelled_deep("speed:lcut=2,anchors=bos", 64) == "speed:lcut=2,anchors=bos,deep=64"
+    assert spelled_deep("speed:deep=turn,lcut=2", 64) == "speed:deep=turn,lcut=2"
+    assert spelled_deep("full", 64) == "full"
+    old = TrainConfig(out=str(tmp_path), method="speed:lcut=2,anchors=bos")
+    (tmp_path / "run.json").write_text(json.dumps(dataclasses.asdict(old)))
+    now = TrainConfig(out=str(tmp_path), method=spelled_deep(old.method, 64))
+    with pytest.raises(UserError, match="these differ: method"):
+        _check_run_dir(tmp_path, now, resume=True, last=None)
+    paper = TrainConfig(out=str(tmp_path), method="speed:lcut=2,anchors=bos,deep=1")
+    _check_run_dir(tmp_path, paper, resume=True, last=None)

@@ -119,9 +119,11 @@ def test_engine_args_turn_a_speed_spec_into_overrides(tmp_path):
     assert args["enable_prefix_caching"] is False
     # no lcut: the padding-free cut nearest 0.75 L (22 would leave vLLM 2 empty layer slots)
     assert engine_args("speed", directory)["hf_overrides"]["speedkv_lcut"] == 24
-    assert engine_args("speed:lcut=30", directory) == {}
+    assert engine_args("speed:lcut=30,deep=1", directory) == {}
     assert engine_args("full", directory) == {}
-    qwen = engine_args("speed:lcut=18,anchors=none", write_config(tmp_path, model_type="qwen2"))
+    qwen = engine_args(
+        "speed:lcut=18,anchors=none,deep=1", write_config(tmp_path, model_type="qwen2")
+    )
     assert qwen["hf_overrides"]["architectures"] == ["SpeedQwen2ForCausalLM"]
 
 
@@ -131,10 +133,10 @@ def test_engine_args_turn_a_speed_spec_into_overrides(tmp_path):
         ("snapkv", "llama", "runs full and speed"),
         ("speed:lcut=31", "llama", "between 0 and 30"),
         ("speed:lcut=22,deep=header", "llama", "token count"),
-        ("speed:lcut=22,selfonly=true", "llama", "selfonly"),
-        ("speed:lcut=22", "qwen3", "llama, qwen2"),
-        ("speed:lcut=22", "gpt2", "not supported"),
-        ("speed:lcut=22,anchors=bos2", "llama", "anchors must be"),
+        ("speed:lcut=22,selfonly=true,deep=1", "llama", "selfonly"),
+        ("speed:lcut=22,deep=1", "qwen3", "llama, qwen2"),
+        ("speed:lcut=22,deep=1", "gpt2", "not supported"),
+        ("speed:lcut=22,anchors=bos2,deep=1", "llama", "anchors must be"),
     ],
 )
 def test_engine_args_refuse_what_vllm_cannot_run(tmp_path, method, model_type, message):

@@ -16,8 +16,9 @@ PROMPT = "Name three primary colors and say which one the sky is."
 
 
 def generate(backend: str, monkeypatch, capsys) -> dict:
-    args = ["generate", PROMPT, "--method", "speed:lcut=22,anchors=bos", "--adapter", ADAPTER,
-            "--dtype", "float32", "-n", "16", "--json", "--backend", backend]  # fmt: skip
+    args = ["generate", PROMPT, "--method", "speed:lcut=22,anchors=bos,deep=1",
+            "--adapter", ADAPTER, "--dtype", "float32", "-n", "16", "--json",
+            "--backend", backend]  # fmt: skip
     code, out, err = run_cli(args, monkeypatch, capsys)
     assert code == 0, err
     return json.loads(out.strip().splitlines()[-1])
@@ -52,15 +53,18 @@ def test_what_the_vllm_backend_refuses(args, message, monkeypatch, capsys):
 
 def test_bench_on_vllm_writes_the_same_report(tmp_path, monkeypatch, capsys):
     out = tmp_path / "bench"
-    args = ["bench", "--backend", "vllm", "--methods", "speed:lcut=15,anchors=bos",
+    args = ["bench", "--backend", "vllm", "--methods", "speed:lcut=15,anchors=bos,deep=1",
             "--lengths", "512", "--max-new-tokens", "4", "--repeats", "2", "--out", str(out),
             "--json", "--vllm-arg=--enforce-eager"]  # fmt: skip
     code, stdout, err = run_cli(args, monkeypatch, capsys)
     assert code == 0, err
     result = json.loads(stdout)
-    assert result["decode"] == "vllm" and result["methods"] == ["full", "speed:lcut=15,anchors=bos"]
+    assert result["decode"] == "vllm" and result["methods"] == [
+        "full",
+        "speed:lcut=15,anchors=bos,deep=1",
+    ]
     cells = {c["method"]: c for c in result["cells"]}
     assert cells["full"]["repeats"] == 2 and cells["full"]["ttft_s"] > 0
     # 513 tokens: 5 blocks in 30 layers for stock; 5 in the 15 lower + 1 in the 15 upper
-    assert cells["speed:lcut=15,anchors=bos"]["kv_ratio"] == pytest.approx(6 * 15 / (5 * 30))
+    assert cells["speed:lcut=15,anchors=bos,deep=1"]["kv_ratio"] == pytest.approx(6 * 15 / (5 * 30))
     assert (out / "results.json").is_file() and (out / "table.md").is_file()

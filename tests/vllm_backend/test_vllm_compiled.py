@@ -14,7 +14,7 @@ from conftest import NEW, run_vllm, upper_rows
 @pytest.mark.parametrize(
     ("method", "anchors", "deep", "llm_args"),
     [
-        ("speed:lcut=22,anchors=bos", 1, 1, {}),
+        ("speed:lcut=22,anchors=bos,deep=1", 1, 1, {}),
         # two upper KV cache groups, and chunks that split prompts anywhere
         ("speed:lcut=10,anchors=bos,deep=4", 1, 4, {"max_num_batched_tokens": 512}),
     ],

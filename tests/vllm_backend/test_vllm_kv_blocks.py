@@ -18,15 +18,15 @@ def test_speed15_fits_twice_the_requests_of_stock(tmp_path):
     out = tmp_path / "capacity.json"
     subprocess.run(
         [sys.executable, str(ROOT / "benchmarks" / "vllm_capacity.py"),
-         "--methods", "full;speed:lcut=15,anchors=bos", "--prompt-tokens", str(PROMPT),
+         "--methods", "full;speed:lcut=15,anchors=bos,deep=1", "--prompt-tokens", str(PROMPT),
          "--requests", "10", "--new-tokens", "8", "--pool-stock-blocks", "80",
          "--out", str(out)],
         check=True, capture_output=True, text=True,
     )  # fmt: skip
     runs = {(r["method"], r["compact_kv"]): r for r in json.loads(out.read_text())["runs"]}
     stock = runs[("full", None)]
-    compact = runs[("speed:lcut=15,anchors=bos", True)]
-    uncompacted = runs[("speed:lcut=15,anchors=bos", False)]
+    compact = runs[("speed:lcut=15,anchors=bos,deep=1", True)]
+    uncompacted = runs[("speed:lcut=15,anchors=bos,deep=1", False)]
     prompt_blocks = math.ceil((PROMPT + 8) / 128)
     # one group of 30 layers in stock vLLM; 15 lower + 15 upper layers under SPEED-15
     assert [g["layers"] for g in stock["groups"]] == [30]

@@ -49,7 +49,7 @@ def reference(model, method: str, prompts) -> list[list[int]]:
     ]
 
 
-@pytest.mark.parametrize("method", ["full", "speed:lcut=4,anchors=bos",
+@pytest.mark.parametrize("method", ["full", "speed:lcut=4,anchors=bos,deep=1",
                                     "speed:lcut=2,anchors=sink:2,deep=3"])  # fmt: skip
 def test_qwen2_equals_the_engine(checkpoint, prompts, method):
     directory, model = checkpoint

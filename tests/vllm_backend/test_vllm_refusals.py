@@ -19,7 +19,7 @@ from speedkv.vllm.args import engine_args
 
 from conftest import fake_config
 
-SPEED = "speed:lcut=22,anchors=bos"
+SPEED = "speed:lcut=22,anchors=bos,deep=1"
 NGRAM = {"method": "ngram", "num_speculative_tokens": 2, "prompt_lookup_max": 3}
 CONNECTOR = {"kv_connector": "ExampleConnector", "kv_role": "kv_both"}
 

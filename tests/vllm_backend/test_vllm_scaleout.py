@@ -35,7 +35,7 @@ from conftest import LENGTHS, NEW, fake_config, run_vllm, upper_rows
 QWEN = "qwen2.5-coder-0.5b"
 
 
-QWEN_METHOD = "speed:lcut=18,anchors=sink:4"  # the shipped adapter's cut, 18 of 24 layers
+QWEN_METHOD = "speed:lcut=18,anchors=sink:4,deep=1"  # the shipped adapter's cut, 18 of 24 layers
 # the whole mixed batch on more ranks and budgets: about 7 minutes, run on demand
 LONG = pytest.mark.skipif(not os.environ.get("SPEEDKV_LONG_TESTS"),
                           reason="SPEEDKV_LONG_TESTS=1 runs it (about 7 minutes)")  # fmt: skip
@@ -145,7 +145,7 @@ def test_each_rank_splits_its_layers_at_the_cut(layers, stages):
 
 @pytest.fixture(scope="module")
 def layout_config(directory):
-    args = engine_args("speed:lcut=22", directory)
+    args = engine_args("speed:lcut=22,deep=1", directory)
     config = EngineArgs(model=str(directory), dtype="float32", **args).create_engine_config()
     spec = FullAttentionSpec(block_size=128, num_kv_heads=3, head_size=64, dtype=torch.float32)
     layouts = [layout.name for layout in get_supported_kv_cache_layouts([CPUAttentionBackend])]

@@ -31,7 +31,7 @@ def server():
     port = free_port()
     command = [
         sys.executable, "-m", "speedkv.cli.app", "serve", "--backend", "vllm",
-        "--method", "speed:lcut=22,anchors=bos", "--adapter", str(ADAPTER),
+        "--method", "speed:lcut=22,anchors=bos,deep=1", "--adapter", str(ADAPTER),
         "--dtype", "bfloat16", "--port", str(port),
     ]  # fmt: skip
     env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1"}

@@ -14,7 +14,7 @@ from conftest import NEW, run_vllm, upper_rows
 
 def test_full_is_stock_vllm_and_equals_the_engine(directory, prompts, reference):
     assert engine_args("full", directory) == {}
-    assert engine_args("speed:lcut=30", directory) == {}  # lcut = L is the stock model
+    assert engine_args("speed:lcut=30,deep=1", directory) == {}  # lcut = L is the stock model
     run = run_vllm(directory, prompts, NEW)
     assert run.tokens == reference("full", prompts)
 
@@ -34,13 +34,13 @@ def test_speed_architecture_at_lcut_L_equals_stock(directory, prompts, reference
 @pytest.mark.parametrize(
     ("method", "anchors", "deep", "llm_args"),
     [
-        ("speed:lcut=22,anchors=bos", 1, 1, {}),
+        ("speed:lcut=22,anchors=bos,deep=1", 1, 1, {}),
         ("speed:lcut=22,anchors=bos,deep=4", 1, 4, {}),
-        ("speed:lcut=22,anchors=none", 0, 1, {}),
+        ("speed:lcut=22,anchors=none,deep=1", 0, 1, {}),
         # 10 lower and 20 upper layers: two upper KV cache groups, each with its own metadata
         ("speed:lcut=10,anchors=bos,deep=4", 1, 4, {}),
         # chunked prefill: a 128-token budget splits every long prompt, anywhere in it
-        ("speed:lcut=22,anchors=bos", 1, 1, {"max_num_batched_tokens": 128}),
+        ("speed:lcut=22,anchors=bos,deep=1", 1, 1, {"max_num_batched_tokens": 128}),
         ("speed:lcut=22,anchors=bos,deep=4", 1, 4, {"max_num_batched_tokens": 128}),
     ],
     ids=["bos-deep1", "bos-deep4", "none", "lcut10", "chunked-deep1", "chunked-deep4"],
@@ -89,7 +89,7 @@ def test_prompt_logprobs_are_refused_offline(directory):
     from vllm.exceptions import VLLMValidationError
 
     llm = LLM(model=str(directory), dtype="float32", enforce_eager=True,
-              **engine_args("speed:lcut=22", directory))  # fmt: skip
+              **engine_args("speed:lcut=22,deep=1", directory))  # fmt: skip
     try:
         with pytest.raises(VLLMValidationError, match="not available under SPEED"):
             llm.generate([{"prompt_token_ids": [1, 2, 3, 4]}],

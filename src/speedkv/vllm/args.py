@@ -20,7 +20,7 @@ from speedkv.hf.backbone import ModelShape, shape_of
 from speedkv.hf.loading import load_tokenizer
 from speedkv.hf.text import starts_with_bos
 from speedkv.log import log
-from speedkv.methods.speed import SpeedRule
+from speedkv.methods.speed import DEFAULT_DEEP, SpeedRule
 from speedkv.vllm.settings import ARCHITECTURES, SpeedSettings, padding_free_lcut
 
 BACKEND_METHODS = ("full", "speed")
@@ -70,7 +70,7 @@ def speed_rule(method: str, shape: ModelShape) -> SpeedRule | None:
     if not isinstance(rule.deep, int):
         raise UserError(
             f"deep={rule.deep} needs each prompt's chat boundaries, which vLLM does not pass "
-            "to the model; give deep as a token count (deep=1 is the default)"
+            f"to the model; give deep as a token count (deep={DEFAULT_DEEP} is the default)"
         )
     if shape.model_type not in ARCHITECTURES:
         raise UserError(
