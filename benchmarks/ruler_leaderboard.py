@@ -7,10 +7,16 @@ per-task tables, and the Pareto plot.
     .venv/bin/python benchmarks/ruler_leaderboard.py --run all --jobs 2   # make ruler-leaderboard
     .venv/bin/python benchmarks/ruler_leaderboard.py --run base,adapter --jobs 2
     .venv/bin/python benchmarks/ruler_leaderboard.py --render               # tables and plot only
+    .venv/bin/python benchmarks/ruler_leaderboard.py --model qwen2.5-coder-0.5b --length 16384 \
+        --run base,adapter,kvpress --jobs 2
+
+--model and --length pick a plan (PLANS): SmolLM2 at 4K has every row and both settings;
+SmolLM2 at 8K and Qwen2.5-0.5B at 4K and 16K check the main rows (full, SPEED with and without
+its adapter, SnapKV or kvpress's best presses), with fewer samples where a prefill costs more.
 
 Sweeps (OUT = --work/MODEL/LENGTH):
   base      our methods, untrained, question in view (RULER's prompt as it is), SPEED's cutoffs
-            and every peer at SPEED-22's KV ratio (0.733)
+            and every peer at SPEED's KV ratio (0.733 at SmolLM2's cut of 22)
   adapter   full and SPEED with the shipped SPEED-aware adapter merged (its rows kept apart:
             the adapter was trained on Paul Graham essays, RULER's haystack)
   agnostic  full and SPEED with each sample's context cached before its question is seen
@@ -31,6 +37,7 @@ life: a stopped sweep resumes with the same task groups). Only `ttft` needs the 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import shlex
 import subprocess
 import sys
@@ -42,26 +49,11 @@ from speedkv.evals import leaderboard as lb
 from speedkv.evals import ruler
 
 ROOT = Path(__file__).resolve().parent.parent
-KV = 0.733  # SPEED-22's KV ratio on SmolLM2 (22 of 30 layers hold the prompt)
-# deep=1 spelled out: the paper's suffix, whatever speedkv's default deep suffix is
-SPEED22 = "speed:lcut=22,anchors=bos,deep=1"
-SPEED26 = "speed:lcut=26,anchors=bos,deep=1"
-SPEED22_DEEP64 = "speed:lcut=22,anchors=bos,deep=64"  # the last 64 prompt tokens deep
-PEERS = [
-    f"snapkv:retain={KV},gqa=true",  # one copy per KV head: equal KV (gqa=false keeps 3)
-    f"streamingllm:window={KV}",
-    "pop:lcut=22",
-    "swiftkv:k=22",
-    f"fastkv:retain={KV}",
-    f"specprefill:keep={KV}",
-    f"gemfilter:retain={KV}",
-    f"h2o:heavy={KV / 2:.4f},recent={KV / 2:.4f}",
-    "pyramidinfer",
-]
-ADAPTER = "adapters/smollm2-135m-speed22-bos"
 SPEEDKV = str(Path(sys.executable).with_name("speedkv"))  # this environment's CLI
+# kvpress's presses at SPEED's KV ratio; KVzip is a sweep of its own: it replays the context
+# to score it, about five prefills a sample
 KVPRESS_PRESSES = "snapkv,expected_attention,streaming_llm,tova,knorm"
-KVZIP = "kvzip"  # a sweep of its own: it replays the context to score it, ~5x a prefill
+KVZIP = "kvzip"
 
 
 @dataclass
@@ -72,14 +64,107 @@ class Sweep:
     peer: bool = False  # kvpress, not speedkv eval
 
 
-def sweeps(model: str) -> dict[str, Sweep]:
-    return {
-        "base": Sweep("base", ["full", SPEED22, SPEED26, *PEERS, SPEED22_DEEP64]),
-        "adapter": Sweep("adapter", ["full", SPEED22, SPEED22_DEEP64], ["--adapter", ADAPTER]),
-        "agnostic": Sweep("agnostic", ["full", SPEED22, SPEED26], ["--query-agnostic"]),
-        "kvpress": Sweep("kvpress", [KVPRESS_PRESSES], peer=True),
+@dataclass(frozen=True)
+class Plan:
+    """What the leaderboard measures for one model at one length. deep=1 is spelled out in
+    SPEED's rows: the paper's suffix, and the one the shipped adapters were trained with."""
+
+    kv: float  # SPEED's KV ratio at its main cutoff: the budget every peer gets
+    speed: tuple[str, ...]  # SPEED's untrained rows
+    peers: tuple[str, ...]  # speedkv's other methods, at `kv`
+    adapter: str  # the shipped SPEED-aware adapter for this model
+    trained: tuple[str, ...]  # rows run with the adapter merged
+    agnostic: tuple[str, ...]  # rows run with the context cached before the question
+    presses: str  # kvpress's presses at `kv`
+    samples: int  # per task
+    kvzip: bool = False
+
+
+def smollm2_peers(kv: float) -> tuple[str, ...]:
+    return (
+        f"snapkv:retain={kv},gqa=true",  # one copy per KV head: equal KV (gqa=false keeps 3)
+        f"streamingllm:window={kv}",
+        "pop:lcut=22",
+        "swiftkv:k=22",
+        f"fastkv:retain={kv}",
+        f"specprefill:keep={kv}",
+        f"gemfilter:retain={kv}",
+        f"h2o:heavy={kv / 2:.4f},recent={kv / 2:.4f}",
+        "pyramidinfer",
+    )
+
+
+SMOLLM2_KV = 0.733  # SPEED-22 on SmolLM2: 22 of 30 layers hold the prompt
+SPEED22 = "speed:lcut=22,anchors=bos,deep=1"
+SPEED26 = "speed:lcut=26,anchors=bos,deep=1"
+SPEED22_DEEP64 = "speed:lcut=22,anchors=bos,deep=64"  # speedkv's default deep suffix
+SMOLLM2_ADAPTER = "adapters/smollm2-135m-speed22-bos"
+QWEN_SPEED18 = "speed:lcut=18,anchors=sink:4,deep=1"  # 18 of 24 layers, the adapter's cut
+QWEN_ADAPTER = "adapters/qwen2.5-coder-0.5b-speed18-sink4"
+
+PLANS: dict[tuple[str, int], Plan] = {
+    ("smollm2-135m", 4096): Plan(
+        kv=SMOLLM2_KV,
+        speed=(SPEED22, SPEED26, SPEED22_DEEP64),
+        peers=smollm2_peers(SMOLLM2_KV),
+        adapter=SMOLLM2_ADAPTER,
+        trained=("full", SPEED22, SPEED22_DEEP64),
+        agnostic=("full", SPEED22, SPEED26, SPEED22_DEEP64),
+        presses=KVPRESS_PRESSES,
+        samples=20,
+        kvzip=True,
+    ),
+    # the 8K check: SPEED, its adapter and SnapKV; kvpress's SnapKV (the press ours is held
+    # to) and StreamingLLM until the 4K board names its two best presses (--presses overrides)
+    ("smollm2-135m", 8192): Plan(
+        kv=SMOLLM2_KV,
+        speed=(SPEED22, SPEED22_DEEP64),
+        peers=(f"snapkv:retain={SMOLLM2_KV},gqa=true",),
+        adapter=SMOLLM2_ADAPTER,
+        trained=("full", SPEED22),
+        agnostic=(),
+        presses="snapkv,streaming_llm",
+        samples=20,
+    ),
+    # Qwen2.5-0.5B: a prefill of 4K tokens is about four times SmolLM2's, of 16K about twenty
+    # times, so fewer samples a task
+    ("qwen2.5-coder-0.5b", 4096): Plan(
+        kv=0.75,
+        speed=(QWEN_SPEED18,),
+        peers=(),
+        adapter=QWEN_ADAPTER,
+        trained=("full", QWEN_SPEED18),
+        agnostic=(),
+        presses="snapkv",
+        samples=10,
+    ),
+    ("qwen2.5-coder-0.5b", 16384): Plan(
+        kv=0.75,
+        speed=(QWEN_SPEED18,),
+        peers=(),
+        adapter=QWEN_ADAPTER,
+        trained=("full", QWEN_SPEED18),
+        agnostic=(),
+        presses="snapkv",
+        samples=4,
+    ),
+}
+
+
+def sweeps(plan: Plan) -> dict[str, Sweep]:
+    """The sweeps of one plan (a plan without agnostic rows has no agnostic sweep)."""
+    out = {
+        "base": Sweep("base", ["full", *plan.speed, *plan.peers]),
+        "adapter": Sweep("adapter", list(plan.trained), ["--adapter", plan.adapter]),
+        "agnostic": Sweep("agnostic", list(plan.agnostic), ["--query-agnostic"]),
+        "kvpress": Sweep("kvpress", [plan.presses], peer=True),
         "kvzip": Sweep("kvzip", [KVZIP], peer=True),
     }
+    if not plan.agnostic:
+        del out["agnostic"]
+    if not plan.kvzip:
+        del out["kvzip"]
+    return out
 
 
 def task_parts(jobs: int) -> list[list[str]]:
@@ -102,24 +187,24 @@ def eval_command(model: str, length: int, samples: int, sweep: Sweep, tasks: lis
     ]  # fmt: skip
 
 
-def kvpress_command(args, sweep: Sweep, tasks: list[str], out: Path) -> list[str]:
+def kvpress_command(args, plan: Plan, sweep: Sweep, tasks: list[str], out: Path) -> list[str]:
     return [
         sys.executable, str(ROOT / "benchmarks" / "kvpress_peer.py"),
         "--kvpress-python", args.kvpress_python, "--model", args.model,
         "--tasks", ",".join(tasks), "--length", str(args.length),
         "--samples", str(args.samples), "--presses", ",".join(sweep.methods),
-        "--ratios", f"{1 - KV:.3f}", "--settings", "aware,agnostic",
+        "--ratios", f"{1 - plan.kv:.3f}", "--settings", "aware,agnostic",
         "--threads", "1", "--out", str(out), "--resume",
     ]  # fmt: skip
 
 
-def run_sweep(args, sweep: Sweep, work: Path) -> None:
+def run_sweep(args, plan: Plan, sweep: Sweep, work: Path) -> None:
     """One sweep, its task groups in parallel processes; each logs to OUT.log."""
     procs = []
     for tasks, out in zip(task_parts(args.jobs), part_dirs(work, sweep.name, args.jobs)):
         out.parent.mkdir(parents=True, exist_ok=True)
         command = (
-            kvpress_command(args, sweep, tasks, out)
+            kvpress_command(args, plan, sweep, tasks, out)
             if sweep.peer
             else eval_command(args.model, args.length, args.samples, sweep, tasks, out)
         )
@@ -189,7 +274,12 @@ def main() -> None:
     )
     parser.add_argument("--model", default="smollm2-135m")
     parser.add_argument("--length", type=int, default=4096, help="RULER length (prompt + answer)")
-    parser.add_argument("--samples", type=int, default=20, help="samples per task")
+    parser.add_argument(
+        "--samples", type=int, default=None, help="samples per task (default: the plan's)"
+    )
+    parser.add_argument(
+        "--presses", default=None, help="kvpress's presses, comma-separated (default: the plan's)"
+    )
     parser.add_argument(
         "--run", default="", help="sweeps to run, comma-separated: base, adapter, agnostic, "
         "kvpress, kvzip, ttft, or all (default: none, only --render)"
@@ -203,19 +293,26 @@ def main() -> None:
     parser.add_argument("--render", action="store_true", help="write the leaderboard")
     args = parser.parse_args()
     work = args.work / args.model / str(args.length)
-    plan = sweeps(args.model)
+    plan = PLANS.get((args.model, args.length))
+    if plan is None:
+        known = ", ".join(f"{m} at {n}" for m, n in PLANS)
+        parser.error(f"no leaderboard plan for {args.model} at {args.length}; planned: {known}")
+    if args.presses:
+        plan = dataclasses.replace(plan, presses=args.presses)
+    args.samples = args.samples or plan.samples
+    plan_sweeps = sweeps(plan)
     wanted = [s.strip() for s in args.run.split(",") if s.strip()]
     if wanted == ["all"]:
-        wanted = [*plan, "ttft"]
-    unknown = [w for w in wanted if w not in plan and w != "ttft"]
+        wanted = [*plan_sweeps, "ttft"]
+    unknown = [w for w in wanted if w not in plan_sweeps and w != "ttft"]
     if unknown:
-        parser.error(f"unknown sweep {', '.join(unknown)}; known: {', '.join(plan)}, ttft")
+        parser.error(f"unknown sweep {', '.join(unknown)}; known: {', '.join(plan_sweeps)}, ttft")
     for name in wanted:
         if name == "ttft":
-            ours = [m for s in plan.values() if not s.peer for m in s.methods]
+            ours = [m for s in plan_sweeps.values() if not s.peer for m in s.methods]
             run_ttft(args, work, list(dict.fromkeys(ours)))
         else:
-            run_sweep(args, plan[name], work)
+            run_sweep(args, plan, plan_sweeps[name], work)
     if args.render or not wanted:
         render(args, work, args.out or Path("benchmarks/ruler") / f"{args.model}-{args.length}")
 

@@ -1,0 +1,45 @@
+"""The RULER leaderboard's plans: every row a valid spec, peers at SPEED's KV ratio, the shipped
+adapters present, and the commands each sweep would run."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from speedkv.core.registry import parse_spec
+
+from helpers import load_benchmark
+
+board = load_benchmark("ruler_leaderboard")
+ROOT = Path(__file__).resolve().parents[1]
+
+
+@pytest.mark.parametrize("key", list(board.PLANS), ids=lambda k: f"{k[0]}-{k[1]}")
+def test_every_plan_names_valid_rows_and_a_shipped_adapter(key):
+    plan = board.PLANS[key]
+    sweeps = board.sweeps(plan)
+    for sweep in sweeps.values():
+        if not sweep.peer:
+            for method in sweep.methods:
+                parse_spec(method)  # raises on a bad spec
+    assert (ROOT / plan.adapter / "adapter_model.safetensors").is_file()
+    assert 0 < plan.kv < 1 and plan.samples >= 1
+    # SPEED's rows spell their deep suffix: the leaderboard must not move with the default
+    assert all("deep=" in spec for spec in plan.speed)
+    assert ("agnostic" in sweeps) == bool(plan.agnostic)
+
+
+def test_the_4k_board_runs_every_method_at_speed22s_kv_ratio(tmp_path):
+    plan = board.PLANS[("smollm2-135m", 4096)]
+    names = {parse_spec(m).name for m in board.sweeps(plan)["base"].methods}
+    assert names == {
+        "full", "speed", "snapkv", "streamingllm", "pop", "swiftkv", "fastkv", "specprefill",
+        "gemfilter", "h2o", "pyramidinfer",
+    }  # fmt: skip
+    assert f"retain={plan.kv}" in board.sweeps(plan)["base"].methods[4]
+    command = board.eval_command(
+        "smollm2-135m", 4096, plan.samples, board.sweeps(plan)["adapter"], ["ruler/vt"], tmp_path
+    )
+    assert command[command.index("--samples") + 1] == "ruler=20"
+    assert command[-2:] == ["--adapter", plan.adapter]
