@@ -86,7 +86,8 @@ def smollm2_peers(kv: float) -> tuple[str, ...]:
         f"streamingllm:window={kv}",
         "pop:lcut=22",
         "swiftkv:k=22",
-        f"fastkv:retain={kv}",
+        f"fastkv:retain={kv}",  # the authors' TSP rate 0.2 caps the upper layers: KV ~0.47
+        f"fastkv:tsp_rate={kv},retain={kv}",  # the same KV as SPEED
         f"specprefill:keep={kv}",
         f"gemfilter:retain={kv}",
         f"h2o:heavy={kv / 2:.4f},recent={kv / 2:.4f}",

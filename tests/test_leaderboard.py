@@ -160,3 +160,11 @@ def test_plot_is_written(tmp_path: Path) -> None:
     path = lb.plot_pareto(lb.rows_from_runs([run]), 4096, tmp_path / "p.png", "test")
     assert path is not None and path.stat().st_size > 10_000
     assert lb.plot_pareto([], 4096, tmp_path / "none.png") is None
+
+
+def test_labels_tell_apart_the_rows_people_compare():
+    assert lb.method_label("speed:lcut=22,anchors=bos,deep=1") == "SPEED-22"
+    assert lb.method_label("speed:lcut=22,anchors=bos,deep=64") == "SPEED-22 deep=64"
+    assert lb.method_label("fastkv:retain=0.733") == "FastKV"
+    assert lb.method_label("fastkv:tsp_rate=0.733,retain=0.733") == "FastKV TSP 0.733"
+    assert lb.method_label("kvpress:snapkv,ratio=0.267", "kvpress") == "kvpress SnapKV"

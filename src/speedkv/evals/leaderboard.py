@@ -105,6 +105,8 @@ def method_label(method: str, engine: str = "speedkv") -> str:
             label += f" {opts['anchors']}"
     elif name in ("pop", "swiftkv"):
         label += f"-{opts.get('lcut', opts.get('k', '?'))}"
+    elif name == "fastkv" and "tsp_rate" in opts:  # two FastKV rows differ by their TSP rate
+        label += f" TSP {opts['tsp_rate']}"
     return label
 
 
