@@ -103,6 +103,17 @@ SMOLLM2_ADAPTER = "adapters/smollm2-135m-speed22-bos"
 QWEN_SPEED18 = "speed:lcut=18,anchors=sink:4,deep=1"  # 18 of 24 layers, the adapter's cut
 QWEN_ADAPTER = "adapters/qwen2.5-coder-0.5b-speed18-sink4"
 
+QWEN_PLAN = Plan(
+    kv=0.75,
+    speed=(QWEN_SPEED18,),
+    peers=(),
+    adapter=QWEN_ADAPTER,
+    trained=("full", QWEN_SPEED18),
+    agnostic=(),
+    presses="snapkv",  # until the SmolLM2 4K board names the best press (--presses overrides)
+    samples=10,
+)
+
 PLANS: dict[tuple[str, int], Plan] = {
     ("smollm2-135m", 4096): Plan(
         kv=SMOLLM2_KV,
@@ -129,26 +140,8 @@ PLANS: dict[tuple[str, int], Plan] = {
     ),
     # Qwen2.5-0.5B: a prefill of 4K tokens is about four times SmolLM2's, of 16K about twenty
     # times, so fewer samples a task
-    ("qwen2.5-coder-0.5b", 4096): Plan(
-        kv=0.75,
-        speed=(QWEN_SPEED18,),
-        peers=(),
-        adapter=QWEN_ADAPTER,
-        trained=("full", QWEN_SPEED18),
-        agnostic=(),
-        presses="snapkv",
-        samples=10,
-    ),
-    ("qwen2.5-coder-0.5b", 16384): Plan(
-        kv=0.75,
-        speed=(QWEN_SPEED18,),
-        peers=(),
-        adapter=QWEN_ADAPTER,
-        trained=("full", QWEN_SPEED18),
-        agnostic=(),
-        presses="snapkv",
-        samples=4,
-    ),
+    ("qwen2.5-coder-0.5b", 4096): QWEN_PLAN,
+    ("qwen2.5-coder-0.5b", 16384): dataclasses.replace(QWEN_PLAN, samples=4),
 }
 
 
