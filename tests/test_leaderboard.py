@@ -168,3 +168,23 @@ def test_labels_tell_apart_the_rows_people_compare():
     assert lb.method_label("fastkv:retain=0.733") == "FastKV"
     assert lb.method_label("fastkv:tsp_rate=0.733,retain=0.733") == "FastKV TSP 0.733"
     assert lb.method_label("kvpress:snapkv,ratio=0.267", "kvpress") == "kvpress SnapKV"
+
+
+def test_the_front_joins_untrained_rows_and_ties_at_one_budget(tmp_path: Path) -> None:
+    def row(method, score, kv, adapter=None):
+        run = write_run(
+            tmp_path / f"{method}-{adapter}".replace(":", "_").replace("/", "_"),
+            {"adapter": adapter},
+            [record(method, t, 0, score, kv_ratio=kv) for t in ruler.TASKS],
+        )
+        return lb.rows_from_runs([run])[0]
+
+    rows = [
+        row("full", 0.35, 1.0),
+        row("snapkv:retain=0.733", 0.28, 0.7331),
+        row("h2o:heavy=0.3665,recent=0.3665", 0.22, 0.7329),  # cheaper only by rounding
+        row(SPEED, 0.35, 0.733, adapter="adapters/x"),  # trained: not on the front
+        row("fastkv:retain=0.733", 0.16, 0.466),
+    ]
+    front = [rows[i].method for i in lb.untrained_front(rows, "kv_ratio")]
+    assert front == ["fastkv:retain=0.733", "snapkv:retain=0.733", "full"]
