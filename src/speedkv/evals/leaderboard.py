@@ -318,6 +318,7 @@ def plot_pareto(rows: list[Row], length: int, path: Path, title: str = "") -> Pa
             ("ttft_ratio", "TTFT, x full (each engine against its own full attention)"),
         ),
     ):
+        labels: list[tuple[float, float, str]] = []
         for setting, colour in ((AWARE, "tab:blue"), (AGNOSTIC, "tab:orange")):
             points = [r for r in mine if r.setting == setting]
             if not points:
@@ -345,12 +346,13 @@ def plot_pareto(rows: list[Row], length: int, path: Path, title: str = "") -> Pa
                     zorder=3,
                 )
                 label = r.label if r.min_samples == most else f"{r.label} ({r.min_samples}/task)"
-                ax.annotate(label, (x, y), fontsize=6.5, xytext=(4, 3), textcoords="offset points")
+                labels.append((x, y, label))
         ax.set_xlabel(xlabel)
         costs = [getattr(r, cost) for r in mine]
         if max(costs) > 4 * min(costs):  # one slow outlier would squash every other point
             ax.set_xscale("log")
         ax.grid(alpha=0.3)
+        _place_labels(ax, labels)
     axes[0].set_ylabel(f"RULER average at {length} tokens, %")
     axes[0].legend(fontsize=7, loc="lower right")
     fig.suptitle(
@@ -364,6 +366,33 @@ def plot_pareto(rows: list[Row], length: int, path: Path, title: str = "") -> Pa
     fig.savefig(path, dpi=120)
     plt.close(fig)
     return path
+
+
+def _place_labels(ax, labels: list[tuple[float, float, str]]) -> None:
+    """Annotate each point, top to bottom, at the first of a few spots beside it (right, below
+    right, left, below left, above) where its label covers no label placed before: points of
+    one method in both settings, and rows at one budget, sit close together."""
+    ax.figure.canvas.draw()  # fixes the limits and scales the transform below depends on
+    scale = ax.figure.dpi / 72  # points to display pixels
+    spots = [(4, 3, "left"), (4, -10, "left"), (-4, 3, "right"), (-4, -10, "right"),
+             (4, 12, "left"), (-4, 12, "right")]  # fmt: skip
+    placed: list[tuple[float, float, float, float]] = []  # label boxes, display pixels
+
+    def box(px, py, dx, dy, align, width):
+        left = px + dx * scale - (width if align == "right" else 0)
+        return left, py + dy * scale, left + width, py + (dy + 7) * scale
+
+    def free(b):
+        return all(b[2] < q[0] or b[0] > q[2] or b[3] < q[1] or b[1] > q[3] for q in placed)
+
+    for x, y, text in sorted(labels, key=lambda item: -item[1]):
+        px, py = ax.transData.transform((x, y))
+        width = len(text) * 6.5 * 0.55 * scale  # a label's width, near enough
+        dx, dy, align = next((spot for spot in spots if free(box(px, py, *spot, width))), spots[0])
+        placed.append(box(px, py, dx, dy, align, width))
+        ax.annotate(
+            text, (x, y), fontsize=6.5, xytext=(dx, dy), textcoords="offset points", ha=align
+        )
 
 
 def to_json(rows: list[Row]) -> list[dict]:
