@@ -23,8 +23,9 @@ Sweeps (OUT = --work/MODEL/LENGTH):
             (--query-agnostic); the other methods choose their cache with the question in view
             and cannot run so
   kvpress   kvpress's presses through its own pipeline (benchmarks/kvpress_peer.py, in
-            .venv-kvpress: make kvpress-venv), both settings, at SPEED-22's KV ratio: SnapKV,
-            ExpectedAttention, StreamingLLM, TOVA and Knorm, and press=None (its ceiling)
+            .venv-kvpress: make kvpress-venv), both settings, at the KV ratios SPEED reaches
+            (SmolLM2: SPEED-22's 0.733 and SPEED-26's 0.867): SnapKV, ExpectedAttention,
+            StreamingLLM, TOVA and Knorm, and press=None (its ceiling)
   kvzip     kvpress's KVzip the same way (it replays the context to score it: about five
             prefills a sample)
   ttft      a quiet `speedkv bench` at the length: the TTFT ratios the table shows for our
@@ -75,9 +76,14 @@ class Plan:
     adapter: str  # the shipped SPEED-aware adapter for this model
     trained: tuple[str, ...]  # rows run with the adapter merged
     agnostic: tuple[str, ...]  # rows run with the context cached before the question
-    presses: str  # kvpress's presses at `kv`
+    presses: str  # kvpress's presses, at `kv` and at each of `more_kv`
     samples: int  # per task
     kvzip: bool = False
+    more_kv: tuple[float, ...] = ()  # other KV ratios SPEED reaches here, for kvpress too
+
+    def compression_ratios(self) -> str:
+        """kvpress's --ratios: the share of entries each press removes, one per KV ratio."""
+        return ",".join(f"{1 - kv:.3f}" for kv in (self.kv, *self.more_kv))
 
 
 def smollm2_peers(kv: float) -> tuple[str, ...]:
@@ -96,6 +102,7 @@ def smollm2_peers(kv: float) -> tuple[str, ...]:
 
 
 SMOLLM2_KV = 0.733  # SPEED-22 on SmolLM2: 22 of 30 layers hold the prompt
+SMOLLM2_KV26 = 0.867  # SPEED-26: 26 of 30
 SPEED22 = "speed:lcut=22,anchors=bos,deep=1"
 SPEED26 = "speed:lcut=26,anchors=bos,deep=1"
 SPEED22_DEEP64 = "speed:lcut=22,anchors=bos,deep=64"  # speedkv's default deep suffix
@@ -125,6 +132,7 @@ PLANS: dict[tuple[str, int], Plan] = {
         presses=KVPRESS_PRESSES,
         samples=20,
         kvzip=True,
+        more_kv=(SMOLLM2_KV26,),  # kvpress also at SPEED-26's ratio
     ),
     # the 8K check: SPEED, its adapter and SnapKV; kvpress's SnapKV (the press ours is held
     # to) and StreamingLLM until the 4K board names its two best presses (--presses overrides)
@@ -187,7 +195,7 @@ def kvpress_command(args, plan: Plan, sweep: Sweep, tasks: list[str], out: Path)
         "--kvpress-python", args.kvpress_python, "--model", args.model,
         "--tasks", ",".join(tasks), "--length", str(args.length),
         "--samples", str(args.samples), "--presses", ",".join(sweep.methods),
-        "--ratios", f"{1 - plan.kv:.3f}", "--settings", "aware,agnostic",
+        "--ratios", plan.compression_ratios(), "--settings", "aware,agnostic",
         "--threads", "1", "--out", str(out), "--resume",
     ]  # fmt: skip
 

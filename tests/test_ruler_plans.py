@@ -43,3 +43,9 @@ def test_the_4k_board_runs_every_method_at_speed22s_kv_ratio(tmp_path):
     )
     assert command[command.index("--samples") + 1] == "ruler=20"
     assert command[-2:] == ["--adapter", plan.adapter]
+
+
+def test_kvpress_runs_at_every_kv_ratio_speed_reaches():
+    smollm2 = board.PLANS[("smollm2-135m", 4096)]
+    assert smollm2.compression_ratios() == "0.267,0.133"  # SPEED-22 and SPEED-26
+    assert board.PLANS[("qwen2.5-coder-0.5b", 4096)].compression_ratios() == "0.250"
