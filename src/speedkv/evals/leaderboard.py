@@ -227,16 +227,15 @@ def leaderboard_table(rows: list[Row], length: int) -> str:
     """The headline table at one length: a row per method and adapter, its average in each
     setting, KV and TTFT ratios; best-first within the untrained, trained and kvpress rows."""
     mine = [r for r in rows if r.length == length]
-    ranked = {_key(r) for r in mine if r.average is not None}
     # a method (one spec, one adapter) is ranked once every task has a sample in a setting;
-    # the others are named with their specs, as two specs may share a label
-    partial = sorted((r for r in mine if _key(r) not in ranked), key=lambda r: r.method)
+    # an unranked one sharing a ranked one's label is named by its spec too
+    ranked = {_key(r) for r in mine if r.average is not None}
+    ranked_labels = {r.label for r in mine if _key(r) in ranked}
     partial_names = list(
         dict.fromkeys(
-            r.label
-            if not any(o.label == r.label for o in mine if _key(o) in ranked)
-            else f"{r.label} (`{_short_spec(r.method)}`)"
-            for r in partial
+            f"{r.label} (`{_short_spec(r.method)}`)" if r.label in ranked_labels else r.label
+            for r in sorted(mine, key=lambda r: r.method)
+            if _key(r) not in ranked
         )
     )
     mine = [r for r in mine if _key(r) in ranked]
