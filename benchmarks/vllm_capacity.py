@@ -32,6 +32,7 @@ def measure(method: str, compact: bool, args, prompts) -> dict:
     from vllm import LLM, SamplingParams
 
     from speedkv.vllm.args import engine_args, model_shape
+    from speedkv.vllm.offline import shut_down
 
     directory = args.directory
     shape = model_shape(directory)
@@ -82,7 +83,7 @@ def measure(method: str, compact: bool, args, prompts) -> dict:
             "tokens": [tokens[f"r{i}"] for i in range(len(prompts))],
         }
     finally:
-        llm.llm_engine.engine_core.shutdown()  # now: a late collection would tear down the next
+        shut_down(llm)
         del llm
         gc.collect()
 

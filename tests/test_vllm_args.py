@@ -13,6 +13,7 @@ from speedkv.errors import UserError
 from speedkv.methods.speed import SpeedRule
 from speedkv.vllm.args import engine_args, require_vllm
 from speedkv.vllm.compact import (
+    Layout,
     compact_length,
     compact_slots,
     full_depth_rows,
@@ -42,7 +43,7 @@ def test_full_depth_rows_follow_the_speed_rule(anchors, deep):
     gen = torch.Generator().manual_seed(anchors * 10 + deep)
     for _ in range(30):
         positions, query_start, seq_lens, prompt = random_step(gen, 5)
-        found = full_depth_rows(positions, query_start, seq_lens, prompt, anchors, deep)
+        found = full_depth_rows(positions, query_start, seq_lens, Layout.of(prompt, anchors, deep))
         rule = SpeedRule(lcut=0, anchors=anchors, deep=deep)
         for r in range(5):
             span = slice(int(query_start[r]), int(query_start[r + 1]))
@@ -75,10 +76,31 @@ def test_step_positions_are_each_requests_next_positions():
     assert step_positions(empty, torch.tensor([5, 9, 2])).tolist() == [6, 7, 8]
 
 
+@pytest.mark.parametrize("deep", [1, 3])
+def test_a_reused_prefix_keeps_its_rows_and_the_rule_applies_to_new_tokens(deep):
+    """A request that reused 8 tokens holding 3 compact rows (say BoS, an earlier request's deep
+    suffix at 6 and 7): its rows continue at compact index 3, from its own deep suffix or its
+    first new token, whichever comes later."""
+    prompt, hit, rows = torch.tensor([12, 9]), torch.tensor([8, 8]), torch.tensor([3, 3])
+    layout = Layout.of(prompt, anchors=1, deep=deep, hit_tokens=hit, hit_rows=rows)
+    positions = torch.cat([torch.arange(8, 12), torch.arange(8, 9)])  # both prefill the rest
+    found = full_depth_rows(positions, torch.tensor([0, 4, 5]), torch.tensor([12, 9]), layout)
+    first = [max(8, 12 - deep), max(8, 9 - deep)]
+    want = [p for p in range(8, 12) if p >= first[0]] + [8]  # request 1: 8 is its last token
+    assert positions[found.rows].tolist() == want
+    assert found.compact.tolist() == [3 + p - first[0] for p in want[:-1]] + [3]
+    assert found.seq_lens.tolist() == [3 + 12 - first[0], 4]
+    # a decode step after it: the next row, the next compact index
+    assert layout.length(torch.tensor([13, 10])).tolist() == [4 + 12 - first[0], 5]
+    # a fresh request (no hit) keeps the anchors and its own suffix, as before
+    fresh = Layout.of(prompt, 1, deep, hit_tokens=torch.tensor([0, 0]), hit_rows=rows)
+    assert torch.equal(fresh.length(prompt), compact_length(prompt, prompt, 1, deep))
+
+
 def test_requests_short_of_blocks():
     positions = torch.tensor([0, 1, 2, 3, 4, 5, 9])
     found = full_depth_rows(positions, torch.tensor([0, 6, 7]), torch.tensor([6, 10]),
-                            torch.tensor([6, 7]), anchors=1, deep=2)  # fmt: skip
+                            Layout.of(torch.tensor([6, 7]), anchors=1, deep=2))  # fmt: skip
     # compact lengths 3 and 6: one 4-slot block, then two
     assert found.seq_lens.tolist() == [3, 6]
     assert requests_short_of_blocks(found, torch.tensor([1, 2]), 4).tolist() == []
@@ -90,7 +112,7 @@ def test_compact_slots_index_each_request_blocks():
     positions = torch.tensor([0, 1, 2, 3, 4, 5, 9])  # request 0 prefills 6, request 1 decodes
     query_start = torch.tensor([0, 6, 7])
     found = full_depth_rows(positions, query_start, torch.tensor([6, 10]),
-                            torch.tensor([6, 7]), anchors=1, deep=2)  # fmt: skip
+                            Layout.of(torch.tensor([6, 7]), anchors=1, deep=2))  # fmt: skip
     assert found.rows.tolist() == [0, 4, 5, 6]
     assert found.compact.tolist() == [0, 1, 2, 5]  # request 1 keeps 0, 5, 6, 7, 8, 9
     block_table = torch.tensor([[3, 0], [7, 8]])
@@ -116,7 +138,7 @@ def test_engine_args_turn_a_speed_spec_into_overrides(tmp_path):
         "speedkv_deep": 3,
         "speedkv_compact_kv": True,
     }
-    assert args["enable_prefix_caching"] is False
+    assert "enable_prefix_caching" not in args  # vLLM's own default: on, as with stock models
     # no lcut: the padding-free cut nearest 0.75 L (22 would leave vLLM 2 empty layer slots)
     assert engine_args("speed", directory)["hf_overrides"]["speedkv_lcut"] == 24
     assert engine_args("speed:lcut=30,deep=1", directory) == {}

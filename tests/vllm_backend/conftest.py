@@ -41,7 +41,7 @@ def run_vllm(directory, prompts: list[list[int]], new_tokens: int, **llm_args) -
     """Greedy tokens from one vLLM engine built for this call (float32, eager)."""
     from vllm import LLM, SamplingParams
 
-    from speedkv.vllm.offline import cpu_thread_binding
+    from speedkv.vllm.offline import cpu_thread_binding, shut_down
 
     llm_args = {"dtype": "float32", "seed": 0, "enforce_eager": True, **llm_args}
     binding = os.environ.get("VLLM_CPU_OMP_THREADS_BIND")
@@ -61,7 +61,7 @@ def run_vllm(directory, prompts: list[list[int]], new_tokens: int, **llm_args) -
         tokens = [list(o.outputs[0].token_ids) for o in outputs]
         return VllmRun(tokens, rows[0], preemptions, rows)
     finally:
-        llm.llm_engine.engine_core.shutdown()  # now, not whenever the collector gets to it
+        shut_down(llm)
         del llm
         gc.collect()
         if binding is None:  # the next engine may have another number of ranks

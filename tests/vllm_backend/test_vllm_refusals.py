@@ -34,7 +34,6 @@ CASES = {
         {"prefill_context_parallel_size": 2, "tensor_parallel_size": 2},
         "prefill context parallelism",
     ),
-    "prefix-caching": ({"enable_prefix_caching": True}, "enable_prefix_caching=False"),
     "lora": ({"enable_lora": True}, "LoRA"),
     "dual-batch-overlap": ({"enable_dbo": True}, "micro-batched"),
     "no-hybrid-manager": ({"disable_hybrid_kv_cache_manager": True}, "hybrid KV cache manager"),
@@ -65,6 +64,17 @@ def test_the_supported_configuration_starts(directory):
     config = build_config(directory)
     assert config.compilation_config.cudagraph_mode == CUDAGraphMode.NONE
     assert not config.use_v2_model_runner
+    assert config.cache_config.enable_prefix_caching  # vLLM's default, with SPEED too
+
+
+def test_stock_blocks_turn_prefix_caching_off(directory):
+    """With stock blocks the upper layers' compact rows sit in a request's first blocks, which
+    a prefix hit would share: SPEED turns prefix caching off (and says so) instead."""
+    args = engine_args(SPEED, directory)
+    args["hf_overrides"] = {**args["hf_overrides"], "speedkv_compact_kv": False}
+    config = EngineArgs(model=str(directory), dtype="float32", enable_prefix_caching=True,
+                        **args).create_engine_config()  # fmt: skip
+    assert not config.cache_config.enable_prefix_caching
 
 
 def test_on_a_gpu_speed_chooses_the_v1_runner_and_no_graphs(monkeypatch):

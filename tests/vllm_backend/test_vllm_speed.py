@@ -7,6 +7,7 @@ import pytest
 
 from speedkv.prompts.builders import exact_chat_prompt
 from speedkv.vllm.args import engine_args
+from speedkv.vllm.offline import shut_down
 from speedkv.vllm.settings import SpeedSettings
 
 from conftest import NEW, run_vllm, upper_rows
@@ -98,5 +99,5 @@ def test_prompt_logprobs_are_refused_offline(directory):
         assert llm.generate([{"prompt_token_ids": [1, 2, 3, 4]}], VllmSampling(max_tokens=2),
                             use_tqdm=False)[0].outputs[0].token_ids  # fmt: skip
     finally:
-        llm.llm_engine.engine_core.shutdown()
+        shut_down(llm)
         del llm

@@ -96,8 +96,6 @@ def engine_args(method: str, directory: str | Path) -> dict[str, Any]:
         )
     return {
         "hf_overrides": settings.hf_overrides(shape.model_type),
-        # the upper layers' compact K/V is per request: no block may be shared
-        "enable_prefix_caching": False,
         # which rows go up changes every step, so no CUDA graph may replay one step's tensors;
         # torch.compile stays on (each half of the layer loop is compiled: stacks.py)
         "compilation_config": {"cudagraph_mode": "NONE"},

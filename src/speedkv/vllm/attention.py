@@ -82,9 +82,8 @@ class SpeedBuilderMixin:
                     "SPEED found a step whose rows are not each request's next positions in "
                     "order (speculative decoding or M-RoPE); it cannot place them"
                 )
-        found = full_depth_rows(
-            positions, query_start, seq_lens, prompt_lens, self.speed.anchors, self.speed.deep
-        )
+        layout = step.layout(common.num_reqs, self.speed.anchors, self.speed.deep)
+        found = full_depth_rows(positions, query_start, seq_lens, layout)
         real = (query_start[1:] - query_start[:-1]) > 0
         if bool((prompt_lens[real] <= 0).any()):
             raise Unsupported(batch.NO_STEP)

@@ -7,6 +7,11 @@ token goes to slot c of the request's own blocks (c <= position, so that block a
 The stock kernel, run causally over the compact lengths, then shows each query exactly the
 anchors and the earlier full-depth tokens: SPEED's rule (`speedkv.methods.speed.SpeedRule`).
 
+A request that starts from vLLM's prefix cache keeps the depth each reused token was first
+computed at (docs/reuse.md): its cached compact rows stay as they are, and the rule applies to
+its new tokens. Both cases come down to two numbers per request (`Layout`): the position from
+which every token is full depth, and the compact index of that position.
+
 Pure torch, so the rule is tested without vLLM.
 """
 
@@ -33,13 +38,56 @@ class FullDepthRows:
         return int(self.rows.numel())
 
 
+@dataclass(frozen=True)
+class Layout:
+    """Where each request's full-depth rows go: position p is full depth when
+    `p < compact_at` (the anchors of a fresh request) or `p >= deep_from`, and its compact
+    index is p, or `compact_at + p - deep_from`. Tensors of one entry per request."""
+
+    deep_from: torch.Tensor
+    compact_at: torch.Tensor
+
+    @classmethod
+    def of(
+        cls,
+        prompt_lens: torch.Tensor,
+        anchors: int,
+        deep: int,
+        hit_tokens: torch.Tensor | None = None,
+        hit_rows: torch.Tensor | None = None,
+    ) -> Layout:
+        """The layout of requests with these prompt lengths. A request that reused
+        `hit_tokens[i] > 0` tokens from the prefix cache holds `hit_rows[i]` compact rows for
+        them, whatever depth history made them; its own deep suffix starts no earlier than its
+        first new token."""
+        prompt_lens = prompt_lens.long()
+        deep_from = (prompt_lens - deep).clamp(min=0)
+        fresh_at = deep_from.clamp(max=anchors)
+        if hit_tokens is None:
+            return cls(deep_from, fresh_at)
+        hit_tokens, hit_rows = hit_tokens.long(), hit_rows.long()
+        reused = hit_tokens > 0
+        return cls(
+            torch.where(reused, torch.maximum(deep_from, hit_tokens), deep_from),
+            torch.where(reused, hit_rows, fresh_at),
+        )
+
+    def length(self, seq_lens: torch.Tensor) -> torch.Tensor:
+        """Compact rows of requests that hold `seq_lens` tokens."""
+        seq_lens = seq_lens.long()
+        return torch.minimum(seq_lens, self.compact_at) + (seq_lens - self.deep_from).clamp(min=0)
+
+    def take(self, index: torch.Tensor) -> Layout:
+        return Layout(self.deep_from[index], self.compact_at[index])
+
+
 def compact_length(
     seq_lens: torch.Tensor, prompt_lens: torch.Tensor, anchors: int, deep: int
 ) -> torch.Tensor:
-    """How many of the first `seq_lens` positions are full depth: the anchors that exist,
-    plus every position from the deep suffix's start (or the anchors' end, if later)."""
-    start = (prompt_lens - deep).clamp(min=0)
-    return seq_lens.clamp(max=anchors) + (seq_lens - start.clamp(min=anchors)).clamp(min=0)
+    """How many of the first `seq_lens` positions of fresh requests are full depth: the
+    anchors that exist, plus every position from the deep suffix's start (or the anchors'
+    end, if later)."""
+    return Layout.of(prompt_lens, anchors, deep).length(seq_lens)
 
 
 def full_depth_count(seq_len: int, prompt_len: int, anchors: int, deep: int) -> int:
@@ -63,31 +111,29 @@ def full_depth_rows(
     positions: torch.Tensor,
     query_start: torch.Tensor,
     seq_lens: torch.Tensor,
-    prompt_lens: torch.Tensor,
-    anchors: int,
-    deep: int,
+    layout: Layout,
 ) -> FullDepthRows:
     """The full-depth rows of a step whose requests own rows `query_start[i]:query_start[i+1]`
-    (positions given per row) and reach `seq_lens[i]` tokens; `prompt_lens[i]` is request i's
-    prompt length (the original one, also when a preempted request is recomputed)."""
+    (positions given per row) and reach `seq_lens[i]` tokens, laid out by `layout` (one entry
+    per request of the step)."""
     num_reqs = query_start.numel() - 1
     query_lens = query_start[1:] - query_start[:-1]
     request = torch.repeat_interleave(torch.arange(num_reqs), query_lens)
     positions = positions[: int(query_start[-1])].long()
-    start = (prompt_lens[:num_reqs].long() - deep).clamp(min=0)  # first deep prompt position
-    shallow = (start - anchors).clamp(min=0)  # positions that never enter the upper layers
-    full = (positions < anchors) | (positions >= start[request])
+    layout = layout.take(torch.arange(num_reqs))
+    deep_from, compact_at = layout.deep_from[request], layout.compact_at[request]
+    full = (positions < compact_at) | (positions >= deep_from)
     rows = full.nonzero().squeeze(1)
     row_request = request[rows]
     row_pos = positions[rows]
-    compact = torch.where(row_pos < anchors, row_pos, row_pos - shallow[row_request])
+    compact = torch.where(
+        row_pos < compact_at[rows], row_pos, compact_at[rows] + row_pos - deep_from[rows]
+    )
     counts = torch.bincount(row_request, minlength=num_reqs)
     requests = (counts > 0).nonzero().squeeze(1)
     query = torch.zeros(requests.numel() + 1, dtype=torch.int32)
     query[1:] = counts[requests].cumsum(0)
-    lengths = compact_length(
-        seq_lens[:num_reqs].long(), prompt_lens[:num_reqs].long(), anchors, deep
-    )
+    lengths = layout.length(seq_lens[:num_reqs])
     return FullDepthRows(
         rows=rows,
         compact=compact,

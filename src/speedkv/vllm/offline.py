@@ -35,6 +35,13 @@ def cpu_thread_binding(ranks: int) -> None:
         os.environ["VLLM_CPU_OMP_THREADS_BIND"] = binding
 
 
+def shut_down(llm: Any) -> None:
+    """Shut a `vllm.LLM` down now. Left to the garbage collector, an in-process engine tears
+    down vLLM's process-wide distributed state whenever it happens to be collected, which may
+    be under the next engine."""
+    llm.llm_engine.engine_core.shutdown()
+
+
 def engine_kwargs(vllm_args: list[str]) -> dict[str, Any]:
     """vLLM engine options given as its own command-line flags (`--vllm-arg`), as keyword
     arguments of `vllm.LLM`: the ones that differ from vLLM's defaults."""
@@ -104,10 +111,7 @@ class VllmEngine:
         )
 
     def close(self) -> None:
-        """Shut the engine down now. Left to the garbage collector, an in-process engine tears
-        down vLLM's process-wide distributed state whenever it happens to be collected, which
-        may be under the next engine."""
-        self.llm.llm_engine.engine_core.shutdown()
+        shut_down(self.llm)
 
     def __enter__(self) -> VllmEngine:
         return self

@@ -5,11 +5,16 @@ calls `LLM(...)` or runs the server), through vLLM's per-architecture config hoo
 reaches the user before any worker starts. Then in each worker, as the model is built, on the
 configuration the worker actually got.
 
-Two defaults are set rather than refused, where the user did not choose otherwise:
-- the V1 model runner (`VLLM_USE_V2_MODEL_RUNNER=0`): the plugin reads each request's prompt
-  length from V1's metadata build (`batch.py`) and has not been run on Model Runner V2;
-- no CUDA graphs (`cudagraph_mode` NONE): which rows enter the upper layers changes each step,
-  and a graph would replay the tensors of the step it was captured on. torch.compile stays on.
+Three defaults are set rather than refused:
+- the V1 model runner (`VLLM_USE_V2_MODEL_RUNNER=0`), unless the user chose one: the plugin
+  reads each request's prompt length from V1's metadata build (`batch.py`) and has not been
+  run on Model Runner V2;
+- no CUDA graphs (`cudagraph_mode` NONE), unless the user chose a mode: which rows enter the
+  upper layers changes each step, and a graph would replay the tensors of the step it was
+  captured on. torch.compile stays on;
+- no prefix caching where the upper layers keep stock blocks (`speedkv_compact_kv` false, or
+  pipeline stages that need it): their compact rows sit in a request's first blocks, which a
+  prefix hit would share. With their own blocks, prefix caching works (`prefix_index.py`).
 """
 
 from __future__ import annotations
@@ -56,10 +61,9 @@ def _refusals(config: Any, compact_kv: bool) -> list[tuple[Callable[[], bool], s
             "(prefill_context_parallel_size > 1)",
         ),
         (
-            lambda: bool(cache.enable_prefix_caching),
-            "SPEED in vLLM needs enable_prefix_caching=False: the upper layers' compact blocks "
-            "are laid out per request and cannot be shared "
-            "(speedkv.vllm.engine_args sets it)",
+            lambda: bool(cache.enable_prefix_caching) and not compact_kv,
+            "SPEED's prefix caching needs the upper layers' own blocks: with stock blocks the "
+            "compact rows sit in a request's first blocks, which vLLM would share",
         ),
         (
             lambda: cache.kv_sharing_fast_prefill,
@@ -100,6 +104,12 @@ def prepare(config: Any, compact_kv: bool = True) -> None:
     """At engine start: set SPEED's defaults where the user left vLLM's, then check. Runs in
     vLLM's config hook, before the rest of vLLM's configuration is resolved."""
     compact_kv = _choose_blocks(config, compact_kv)
+    if not compact_kv and config.cache_config.enable_prefix_caching:
+        # stock blocks hold the upper layers' compact rows in a request's first blocks, which
+        # a prefix hit would share: no prefix caching there
+        config.cache_config.enable_prefix_caching = False
+        log("SPEED with stock KV blocks turns vLLM's prefix caching off (docs/vllm.md)",
+            source="vllm")  # fmt: skip
     if os.environ.get(V2_RUNNER) is None and config.use_v2_model_runner:
         os.environ[V2_RUNNER] = "0"  # inherited by the engine and worker processes
         log(f"SPEED runs on vLLM's V1 model runner: set {V2_RUNNER}=0", source="vllm")

@@ -1,0 +1,205 @@
+"""vLLM's prefix caching under SPEED against speedkv's own reuse and the dense reference.
+
+Requests go to one vLLM engine one after another, as a chat client or a RAG service sends them:
+two questions on one document, a three-turn chat, then the document evicted by others and
+asked about again. vLLM reports how many tokens each request took from its prefix cache; the
+engine then replays the same request from its own cache of the same earlier request, cut at that
+many tokens, and the dense reference computes it with the depth history spelled out: a reused
+token keeps the depth it was first computed at (anchors, an earlier deep suffix, earlier
+generated tokens), and the rule applies to the new tokens. All three give the same greedy tokens
+(float32)."""
+
+from __future__ import annotations
+
+import gc
+import os
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import pytest
+import torch
+
+from speedkv import Engine, Request, SamplingParams, make_policy
+from speedkv.analysis.dense import speed_hidden
+from speedkv.core.prefix import CachedPrefix, PrefixCache, common_prefix
+from speedkv.methods.speed import SpeedRule
+from speedkv.prompts.builders import exact_chat_prompt
+from speedkv.vllm.args import engine_args
+from speedkv.vllm.offline import cpu_thread_binding, shut_down
+from speedkv.vllm.settings import SpeedSettings
+
+NEW = 6
+LOGPROB_TOLERANCE = 2e-4  # float32: vLLM's CPU kernels against a dense torch forward (~2e-5)
+DOC = 700  # tokens: five 128-token blocks and a part-filled sixth
+
+
+@dataclass
+class Served:
+    ids: list[int]
+    tokens: list[int]
+    logprobs: list[float]  # of each token, as vLLM computed it
+    hit: int  # tokens vLLM took from its prefix cache
+
+
+@dataclass
+class Replay:
+    """speedkv's engine replaying vLLM's requests from the same cached prefixes, and the depth
+    history of every finished request (prompt and the tokens fed back)."""
+
+    model: object
+    method: str
+    new: int = NEW
+    engine: Engine = field(init=False)
+    histories: list[tuple[list[int], CachedPrefix, set[int]]] = field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        # a store that never serves a lookup: each request names its prefix, or starts fresh
+        self.engine = Engine(self.model, prefix_cache=PrefixCache(2**32, min_tokens=10**9))
+        self.policy = make_policy(self.method, self.model.shape)
+        self.rule = SpeedRule.of(self.policy)
+
+    def run(self, ids: list[int], hit: int) -> tuple[list[int], set[int]]:
+        """The engine's tokens for `ids` reusing `hit` tokens of the latest request that has
+        them, and the positions of `ids` that run every layer."""
+        prefix, depth = None, set(range(min(self.rule.anchors, len(ids))))
+        if hit:
+            fed, cache, earlier = next(
+                h for h in reversed(self.histories) if common_prefix(h[0], ids) >= hit
+            )
+            prefix = CachedPrefix(fed[:hit], cache.method, cache.cache)
+            depth = {p for p in earlier if p < hit}
+        prompt = len(ids)
+        depth |= set(range(max(hit, prompt - self.rule.deep_tokens(None, None)), prompt))
+        sampling = SamplingParams(max_new_tokens=self.new, ignore_eos=True)
+        done = self.engine.generate([Request(ids, self.policy, sampling, None, None, prefix)])[0]
+        assert done.reused_tokens == hit
+        fed = ids + done.output_ids[:-1]
+        kept = next(e for e in self.engine.prefix_cache._entries.values() if e.ids == fed)
+        self.histories.append((fed, kept, depth | set(range(prompt, len(fed)))))
+        return done.output_ids, depth
+
+    def dense(self, ids: list[int], tokens: list[int], depth: set[int]) -> torch.Tensor:
+        """The dense reference's log-probabilities [new tokens, vocabulary] where `tokens` are
+        generated: `depth` and every generated token run every layer, the rest stops at lcut."""
+        seq = ids + tokens[:-1]
+        full = torch.zeros(len(seq), dtype=torch.bool)
+        full[sorted(depth)] = True
+        full[len(ids) - 1 :] = True
+        backbone = self.model.backbone
+        hidden, kept = speed_hidden(backbone, torch.tensor(seq), len(ids), self.rule,
+                                    full_depth=full)  # fmt: skip
+        return backbone.logits(hidden)[kept >= len(ids) - 1].log_softmax(-1)
+
+
+def serve(directory, method: str, steps: list[Callable[[list[Served]], list[int]]],
+          new: int = NEW, **llm_args) -> list[Served]:  # fmt: skip
+    """Each step's prompt (built from the requests served before it), sent to one vLLM
+    engine with prefix caching on, one after another."""
+    from vllm import LLM
+    from vllm import SamplingParams as VllmSampling
+
+    args = {**engine_args(method, directory), "enable_prefix_caching": True,
+            "enforce_eager": True, **llm_args}  # fmt: skip
+    binding = os.environ.get("VLLM_CPU_OMP_THREADS_BIND")
+    cpu_thread_binding(args.get("pipeline_parallel_size", 1))
+    llm = LLM(model=str(directory), dtype="float32", seed=0, **args)
+    sampling = VllmSampling(temperature=0.0, max_tokens=new, ignore_eos=True, logprobs=0)
+    served: list[Served] = []
+    try:
+        for step in steps:
+            ids = step(served)
+            done = llm.generate([{"prompt_token_ids": ids}], sampling, use_tqdm=False)[0]
+            out = done.outputs[0]
+            chosen = [step[t].logprob for step, t in zip(out.logprobs, out.token_ids)]
+            served.append(Served(ids, list(out.token_ids), chosen, done.num_cached_tokens))
+    finally:
+        shut_down(llm)
+        del llm
+        gc.collect()
+        if binding is None:
+            os.environ.pop("VLLM_CPU_OMP_THREADS_BIND", None)
+    return served
+
+
+def text(tokenizer, n: int, start: int) -> list[int]:
+    """`n` tokens of a chat prompt without its BoS, to append to another."""
+    return exact_chat_prompt(tokenizer, n + 1, start=start)[1:]
+
+
+CASES = {
+    "bos-deep1": ("speed:lcut=22,anchors=bos,deep=1", {}),
+    "bos-deep4": ("speed:lcut=22,anchors=bos,deep=4", {}),
+    "none-deep1": ("speed:lcut=22,anchors=none,deep=1", {}),
+    # a 256-token budget splits each prompt into chunks, anywhere in it
+    "bos-deep1-chunked": ("speed:lcut=22,anchors=bos,deep=1", {"max_num_batched_tokens": 256}),
+    "bos-deep4-chunked": ("speed:lcut=22,anchors=bos,deep=4", {"max_num_batched_tokens": 256}),
+    "none-deep1-chunked": ("speed:lcut=22,anchors=none,deep=1", {"max_num_batched_tokens": 256}),
+    # two pipeline stages in worker processes of their own: the hits travel with the
+    # scheduler's output; the cut at 10 keeps the upper layers' own blocks there (each stage
+    # sizes its own pool, so this case leaves eviction out)
+    "pipeline": ("speed:lcut=10,anchors=bos,deep=4",
+                 {"pipeline_parallel_size": 2, "enforce_eager": False}),
+}  # fmt: skip
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_reused_prefixes_equal_the_engine_and_the_dense_reference(directory, smollm, case):
+    method, options = CASES[case]
+    tok = smollm.tokenizer
+    doc = exact_chat_prompt(tok, DOC, start=3)
+    others = [exact_chat_prompt(tok, DOC, start=100 + 50 * i) for i in range(3)]
+
+    def ask(n: int, seed: int, source: Callable[[list[Served]], list[int]]):
+        return lambda served: source(served) + text(tok, n, seed)
+
+    def then(i: int):  # the conversation of request i, its answer included
+        return lambda served: served[i].ids + served[i].tokens
+
+    # lengths put a 128-token block boundary just after each chat turn's answer: 764 prompt
+    # tokens and 5 fed back pass 768; 892 and 5 pass 896
+    steps = [
+        ask(40, 1, lambda s: doc),  # 0: a document and a question
+        ask(64, 2, lambda s: doc),  # 1: another question on it (764 tokens)
+        ask(122, 3, then(1)),  # 2: turn two of the chat request 1 began (892 tokens)
+        ask(40, 4, then(2)),  # 3: turn three
+        *(ask(40, 5 + i, lambda s, o=o: o) for i, o in enumerate(others)),  # 4-6: evict
+        ask(40, 8, lambda s: doc),  # 7: the document again, recomputed
+        ask(40, 9, lambda s: doc),  # 8: and reused once more
+    ]
+    hits = [0, 640, 768, 896, 0, 0, 0, 0, 640]
+    if "pipeline_parallel_size" in options:
+        steps, hits, llm_args = steps[:4], hits[:4], {}
+    else:
+        # a pool that holds the blocks of three such requests (six 128-token blocks in each
+        # lower KV cache group, one in the upper): requests 4-6 push out everything older
+        _, lower, upper = SpeedSettings.from_overrides(
+            engine_args(method, directory)["hf_overrides"]
+        ).kv_groups(30)
+        llm_args = {"num_gpu_blocks_override": 3 * (6 * lower + upper)}
+    served = serve(directory, method, steps, max_model_len=1024, **llm_args, **options)
+
+    assert [s.hit for s in served] == hits
+    check(Replay(smollm, method), served)
+
+
+def check(replay: Replay, served: list[Served]) -> None:
+    """Each served request against the engine's replay and the dense reference."""
+    for i, request in enumerate(served):
+        tokens, depth = replay.run(request.ids, request.hit)
+        assert request.tokens == tokens, f"request {i}, {request.hit} tokens reused"
+        reference = replay.dense(request.ids, tokens, depth)
+        assert reference.argmax(-1).tolist() == tokens, f"request {i}"
+        chosen = reference[torch.arange(len(tokens)), torch.tensor(tokens)]
+        gap = (chosen - torch.tensor(request.logprobs)).abs().max()
+        assert gap < LOGPROB_TOLERANCE, f"request {i}: vLLM's log-probabilities differ by {gap}"
+
+
+def test_a_prompt_answered_in_its_prefill_step_is_cached(directory, smollm):
+    """One new token: the request ends in the step that computed its prompt, and its rows are
+    recorded as it is freed, for the next question on the same document."""
+    method, tok = "speed:lcut=22,anchors=bos,deep=4", smollm.tokenizer
+    doc = exact_chat_prompt(tok, DOC, start=3)
+    steps = [lambda s, n=n: doc + text(tok, 30, n) for n in (1, 2)]
+    served = serve(directory, method, steps, new=1)
+    assert [s.hit for s in served] == [0, 640]
+    check(Replay(smollm, method, new=1), served)
