@@ -146,6 +146,13 @@ bench-vllm: vllm-venv
 		--methods "full;speed:lcut=22,anchors=bos,deep=1" --clients 32 --max-tokens 32 --dtype bfloat16 \
 		--out benchmarks/vllm/serving
 
+# vLLM's prefix caching under SPEED: TTFT over a cached 4K document and cached documents that
+# stay resident in one pool (about 8 min on 2 cores), then multi-turn chat serving
+.PHONY: bench-vllm-prefix
+bench-vllm-prefix: vllm-venv
+	$(VLLM_VENV)/bin/python benchmarks/vllm_prefix_cache.py --out benchmarks/vllm/prefix-cache.json
+	$(VLLM_VENV)/bin/python benchmarks/vllm_multiturn.py --out benchmarks/vllm/multiturn
+
 # llama.cpp's Python binding, built from its source distribution (no prebuilt wheel loads on
 # glibc 2.36; about 10 min on 2 cores), and a bfloat16 GGUF of the default model made by the
 # converter that ships in that source (the embedded Q4_1 GGUF also quantizes activations, so

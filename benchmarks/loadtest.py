@@ -53,6 +53,7 @@ class ClientResult:
     finish_reason: str | None = None
     done: bool = False  # saw `data: [DONE]`
     error: str | None = None
+    text: str = ""  # the streamed content
 
 
 @dataclass
@@ -103,7 +104,8 @@ def free_port() -> int:
 class Server:
     """`speedkv serve` in a subprocess on a free loopback port."""
 
-    def __init__(self, args, method: str, max_batch: int, backend: str):
+    def __init__(self, args, method: str, max_batch: int, backend: str,
+                 extra: tuple[str, ...] = ()):  # fmt: skip
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         command = [
@@ -124,7 +126,7 @@ class Server:
                         str(args.clients + 8), "--log-level", "warning"]  # fmt: skip
             if args.threads:
                 command += ["--threads", str(args.threads)]
-        self.process = subprocess.Popen(command, stdout=subprocess.DEVNULL, env=env)
+        self.process = subprocess.Popen([*command, *extra], stdout=subprocess.DEVNULL, env=env)
 
     def wait_ready(self, timeout: float = 600.0) -> None:
         deadline = time.time() + timeout
@@ -174,8 +176,10 @@ async def stream_one(client: httpx.AsyncClient, url: str, body: dict) -> ClientR
                     result.prompt_tokens = chunk["usage"]["prompt_tokens"]
                     result.completion_tokens = chunk["usage"]["completion_tokens"]
                 for choice in chunk.get("choices", []):
-                    if choice["delta"].get("content") and result.ttft_s is None:
+                    content = choice["delta"].get("content")
+                    if content and result.ttft_s is None:
                         result.ttft_s = time.perf_counter() - start
+                    result.text += content or ""
                     if choice.get("finish_reason"):
                         result.finish_reason = choice["finish_reason"]
     except (httpx.HTTPError, json.JSONDecodeError, KeyError) as err:

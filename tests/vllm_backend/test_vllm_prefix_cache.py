@@ -167,7 +167,7 @@ def test_reused_prefixes_equal_the_engine_and_the_dense_reference(directory, smo
         ask(40, 9, lambda s: doc),  # 8: and reused once more
     ]
     hits = [0, 640, 768, 896, 0, 0, 0, 0, 640]
-    if "pipeline_parallel_size" in options:
+    if options:  # chunks or pipeline stages: the document and the chat, eviction left out
         steps, hits, llm_args = steps[:4], hits[:4], {}
     else:
         # a pool that holds the blocks of three such requests (six 128-token blocks in each
@@ -179,12 +179,15 @@ def test_reused_prefixes_equal_the_engine_and_the_dense_reference(directory, smo
     served = serve(directory, method, steps, max_model_len=1024, **llm_args, **options)
 
     assert [s.hit for s in served] == hits
-    check(Replay(smollm, method), served)
+    check(Replay(smollm, method), served, skip=(4, 5, 6))  # the others' documents: fresh
 
 
-def check(replay: Replay, served: list[Served]) -> None:
-    """Each served request against the engine's replay and the dense reference."""
+def check(replay: Replay, served: list[Served], skip: tuple[int, ...] = ()) -> None:
+    """Each served request (but those in `skip`) against the engine's replay and the dense
+    reference."""
     for i, request in enumerate(served):
+        if i in skip:
+            continue
         tokens, depth = replay.run(request.ids, request.hit)
         assert request.tokens == tokens, f"request {i}, {request.hit} tokens reused"
         reference = replay.dense(request.ids, tokens, depth)

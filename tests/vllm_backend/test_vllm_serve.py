@@ -97,6 +97,42 @@ def test_prompt_logprobs_are_refused(server):
     assert "SPEED" in reply.text
 
 
+def prefix_cache_counters(base: str) -> tuple[float, float]:
+    """vLLM's own prefix-cache counters: prompt tokens looked up, and found cached."""
+    found = {}
+    for line in httpx.get(base + "/metrics", timeout=30).text.splitlines():
+        for name in ("vllm:prefix_cache_queries_total", "vllm:prefix_cache_hits_total"):
+            if line.startswith(name):
+                found[name] = float(line.rpartition(" ")[2])
+    return found["vllm:prefix_cache_queries_total"], found["vllm:prefix_cache_hits_total"]
+
+
+def test_prefix_caching_is_on_and_counted_by_vllm(server):
+    """Two questions on one document: the second is served from vLLM's prefix cache (on by
+    default with SPEED, as for stock models), and vLLM's own /metrics count the hit."""
+    from speedkv.prompts.haystack import sentence_pool
+
+    document = " ".join(sentence_pool()[:60])  # about 1.5K tokens of essay text
+    api = client(server)
+    queries, hits = prefix_cache_counters(server)
+    answers = [
+        api.chat.completions.create(
+            model=MODEL,
+            max_tokens=8,
+            temperature=0,
+            messages=[
+                {"role": "system", "content": document},
+                {"role": "user", "content": question},
+            ],
+        )  # fmt: skip
+        for question in ("Who wrote this?", "What is the main idea?")
+    ]
+    queries_after, hits_after = prefix_cache_counters(server)
+    prompt = answers[1].usage.prompt_tokens
+    assert queries_after - queries >= prompt
+    assert hits_after - hits >= prompt // 128 * 128 - 128  # the document's whole blocks
+
+
 def test_32_concurrent_streaming_clients(server):
     async def one(api: openai.AsyncOpenAI, i: int) -> int:
         stream = await api.chat.completions.create(
