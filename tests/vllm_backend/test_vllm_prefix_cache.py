@@ -30,7 +30,8 @@ from speedkv.vllm.settings import SpeedSettings
 
 NEW = 6
 LOGPROB_TOLERANCE = 2e-4  # float32: vLLM's CPU kernels against a dense torch forward (~2e-5)
-DOC = 700  # tokens: five 128-token blocks and a part-filled sixth
+DOC = 2000  # tokens: fifteen 128-token blocks and a part-filled sixteenth
+BLOCK = 128  # vLLM's block size on the CPU
 
 
 @dataclass
@@ -155,28 +156,33 @@ def test_reused_prefixes_equal_the_engine_and_the_dense_reference(directory, smo
     def then(i: int):  # the conversation of request i, its answer included
         return lambda served: served[i].ids + served[i].tokens
 
-    # lengths put a 128-token block boundary just after each chat turn's answer: 764 prompt
-    # tokens and 5 fed back pass 768; 892 and 5 pass 896
+    # each chat turn's prompt ends 4 tokens short of a 128-token block boundary, so the answer
+    # tokens fed back cross it and the next turn reuses them
+    turn1 = -(-(DOC + 30) // BLOCK) * BLOCK - 4
+    turn2 = -(-(turn1 + NEW + 30) // BLOCK) * BLOCK - 4
     steps = [
         ask(40, 1, lambda s: doc),  # 0: a document and a question
-        ask(64, 2, lambda s: doc),  # 1: another question on it (764 tokens)
-        ask(122, 3, then(1)),  # 2: turn two of the chat request 1 began (892 tokens)
+        ask(turn1 - DOC, 2, lambda s: doc),  # 1: another question on it
+        ask(turn2 - turn1 - NEW, 3, then(1)),  # 2: turn two of the chat request 1 began
         ask(40, 4, then(2)),  # 3: turn three
         *(ask(40, 5 + i, lambda s, o=o: o) for i, o in enumerate(others)),  # 4-6: evict
         ask(40, 8, lambda s: doc),  # 7: the document again, recomputed
         ask(40, 9, lambda s: doc),  # 8: and reused once more
     ]
-    hits = [0, 640, 768, 896, 0, 0, 0, 0, 640]
+    whole_doc = DOC // BLOCK * BLOCK
+    hits = [0, whole_doc, turn1 + 4, turn2 + 4, 0, 0, 0, 0, whole_doc]
     if options:  # chunks or pipeline stages: the document and the chat, eviction left out
         steps, hits, llm_args = steps[:4], hits[:4], {}
     else:
-        # a pool that holds the blocks of three such requests (six 128-token blocks in each
+        # a pool that holds the blocks of three such requests (their token blocks in each
         # lower KV cache group, one in the upper): requests 4-6 push out everything older
         _, lower, upper = SpeedSettings.from_overrides(
             engine_args(method, directory)["hf_overrides"]
         ).kv_groups(30)
-        llm_args = {"num_gpu_blocks_override": 3 * (6 * lower + upper)}
-    served = serve(directory, method, steps, max_model_len=1024, **llm_args, **options)
+        blocks = -(-(DOC + 40 + NEW) // BLOCK)
+        llm_args = {"num_gpu_blocks_override": 3 * (blocks * lower + upper)}
+    length = turn2 + NEW + 40 + NEW
+    served = serve(directory, method, steps, max_model_len=length, **llm_args, **options)
 
     assert [s.hit for s in served] == hits
     check(Replay(smollm, method), served, skip=(4, 5, 6))  # the others' documents: fresh
@@ -204,5 +210,5 @@ def test_a_prompt_answered_in_its_prefill_step_is_cached(directory, smollm):
     doc = exact_chat_prompt(tok, DOC, start=3)
     steps = [lambda s, n=n: doc + text(tok, 30, n) for n in (1, 2)]
     served = serve(directory, method, steps, new=1)
-    assert [s.hit for s in served] == [0, 640]
+    assert [s.hit for s in served] == [0, DOC // BLOCK * BLOCK]
     check(Replay(smollm, method, new=1), served)
