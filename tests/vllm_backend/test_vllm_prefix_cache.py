@@ -28,6 +28,8 @@ from speedkv.vllm.args import engine_args
 from speedkv.vllm.offline import cpu_thread_binding, shut_down
 from speedkv.vllm.settings import SpeedSettings
 
+from conftest import run_vllm
+
 NEW = 6
 LOGPROB_TOLERANCE = 2e-4  # float32: vLLM's CPU kernels against a dense torch forward (~2e-5)
 DOC = 2000  # tokens: fifteen 128-token blocks and a part-filled sixteenth
@@ -212,3 +214,32 @@ def test_a_prompt_answered_in_its_prefill_step_is_cached(directory, smollm):
     served = serve(directory, method, steps, new=1)
     assert [s.hit for s in served] == [0, DOC // BLOCK * BLOCK]
     check(Replay(smollm, method, new=1), served)
+
+
+def test_a_preempted_request_resumes_from_its_own_cached_prefix(
+    directory, smollm, reference, monkeypatch
+):
+    """Two prompts that fill their blocks exactly, in a pool with one block to spare: at the
+    first decode step vLLM preempts one and frees its blocks, the other takes three of them,
+    and the rest stay cached. The preempted request resumes from its own cached prefix (vLLM's
+    metrics leave preempted requests' hits out, so the upper layers' manager is watched) and
+    gives the engine's tokens."""
+    from speedkv.vllm.kv_spec import SpeedUpperManager
+
+    resumed_from: list[int] = []
+    add = SpeedUpperManager.add_local_computed_blocks
+
+    def watched(self, request_id, blocks, tokens, external):
+        resumed_from.append(tokens)
+        return add(self, request_id, blocks, tokens, external)
+
+    monkeypatch.setattr(SpeedUpperManager, "add_local_computed_blocks", watched)
+    method = "speed:lcut=22,anchors=bos,deep=4"
+    prompts = [exact_chat_prompt(smollm.tokenizer, 640, start=13 * i) for i in range(2)]
+    args = engine_args(method, directory)
+    _, lower, upper = SpeedSettings.from_overrides(args["hf_overrides"]).kv_groups(30)
+    run = run_vllm(directory, prompts, 16, **args, max_model_len=1024,
+                   num_gpu_blocks_override=2 * (5 * lower + upper) + 1)  # fmt: skip
+    assert run.preemptions == 1
+    assert max(resumed_from) >= 2 * BLOCK
+    assert run.tokens == reference(method, prompts, 16)
