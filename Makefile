@@ -275,7 +275,7 @@ ruler-served: install
 RULER_SWEEPS ?= all
 .PHONY: ruler-leaderboard
 ruler-leaderboard: install kvpress-venv
-	$(PY) benchmarks/ruler_leaderboard.py --run $(RULER_SWEEPS) --jobs 2 --render
+	$(PY) benchmarks/ruler_leaderboard.py --run $(RULER_SWEEPS) --jobs 2 --render --docs docs/ruler.md
 
 # Full-parameter SPEED-aware fine-tuning, the paper's controlled study (docs/training.md): every
 # weight trained with one recipe, seed and budget at full depth, SPEED-22 with and without the

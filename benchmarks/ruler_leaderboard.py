@@ -39,6 +39,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import os
 import shlex
 import subprocess
 import sys
@@ -232,6 +233,22 @@ def run_ttft(args, work: Path, methods: list[str]) -> None:
     subprocess.run(command, check=True, cwd=ROOT)
 
 
+def docs_markers(name: str) -> tuple[str, str]:
+    """The comments that fence a docs page's copy of one leaderboard's tables."""
+    return (f"<!-- ruler tables {name}: written by benchmarks/ruler_leaderboard.py --render "
+            "--docs; edit the prose around them -->", f"<!-- /ruler tables {name} -->")  # fmt: skip
+
+
+def refresh_docs(page: str, name: str, tables: str) -> str:
+    """`page` with the fenced tables of leaderboard `name` replaced by `tables`."""
+    begin, end = docs_markers(name)
+    if page.count(begin) != 1 or page.count(end) != 1 or page.index(begin) > page.index(end):
+        raise SystemExit(f"the page has no single fenced region for {name}; fence the tables "
+                         f"with\n{begin}\n...\n{end}")  # fmt: skip
+    head, rest = page.split(begin)
+    return head + begin + "\n\n" + tables.strip() + "\n\n" + end + rest.split(end, 1)[1]
+
+
 def render(args, work: Path, out: Path) -> None:
     dirs = sorted(p.parent for p in work.glob("*/records.jsonl"))
     if not dirs:
@@ -264,6 +281,19 @@ def render(args, work: Path, out: Path) -> None:
     hours = sum(r.seconds for r in rows) / 3600
     parts += [f"Samples' wall time, all rows: {hours:.1f} h (CPU shared by the parallel parts).\n"]
     (out / "leaderboard.md").write_text("\n".join(parts))
+    if args.docs:
+        tables = [lb.leaderboard_table(rows, args.length)]
+        captions = {lb.AWARE: "Per task, question in view (RULER's metric, percent):",
+                    lb.AGNOSTIC: "Per task, context cached before the question:"}  # fmt: skip
+        for setting, caption in captions.items():
+            if any(r.setting == setting and r.length == args.length for r in rows):
+                tables += [caption + "\n", lb.task_table(rows, args.length, setting)]
+        if plot:
+            image = os.path.relpath(plot, args.docs.parent)
+            tables += [f"![RULER average against KV and TTFT ratio, Pareto front]({image})"]
+        name = f"{args.model}-{args.length}"
+        args.docs.write_text(refresh_docs(args.docs.read_text(), name, "\n".join(tables)))
+        print(args.docs)
     import json
 
     (out / "results.json").write_text(json.dumps(lb.to_json(rows), indent=1))
@@ -293,6 +323,10 @@ def main() -> None:
         "--out", type=Path, default=None, help="default benchmarks/ruler/MODEL-LENGTH"
     )
     parser.add_argument("--render", action="store_true", help="write the leaderboard")
+    parser.add_argument(
+        "--docs", type=Path, default=None, help="with --render: also refresh this page's "
+        "fenced copy of the tables (docs/ruler.md)"
+    )  # fmt: skip
     args = parser.parse_args()
     work = args.work / args.model / str(args.length)
     plan = PLANS.get((args.model, args.length))

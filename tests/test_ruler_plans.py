@@ -49,3 +49,19 @@ def test_kvpress_runs_at_every_kv_ratio_speed_reaches():
     smollm2 = board.PLANS[("smollm2-135m", 4096)]
     assert smollm2.compression_ratios() == "0.267,0.133"  # SPEED-22 and SPEED-26
     assert board.PLANS[("qwen2.5-coder-0.5b", 4096)].compression_ratios() == "0.250"
+
+
+def test_docs_refresh_replaces_only_the_fenced_tables():
+    begin, end = board.docs_markers("m-4096")
+    page = f"# Title\n\nprose before\n\n{begin}\n\n| old |\n\n{end}\n\nprose after\n"
+    fresh = board.refresh_docs(page, "m-4096", "| new |\n")
+    assert fresh == f"# Title\n\nprose before\n\n{begin}\n\n| new |\n\n{end}\n\nprose after\n"
+    assert board.refresh_docs(fresh, "m-4096", "| new |") == fresh  # idempotent
+    with pytest.raises(SystemExit, match="no single fenced region for m-8192"):
+        board.refresh_docs(page, "m-8192", "| new |")
+
+
+def test_the_published_page_is_fenced_for_the_4k_board():
+    page = (ROOT / "docs" / "ruler.md").read_text()
+    begin, end = board.docs_markers("smollm2-135m-4096")
+    assert page.count(begin) == page.count(end) == 1
