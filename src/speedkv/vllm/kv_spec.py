@@ -12,6 +12,11 @@ with it before every allocation. vLLM shares one block pool among groups of equa
 padding the smaller ones, so the saving is `lcut / L` only where the layer counts divide evenly
 (docs/vllm.md).
 
+With prefix caching the manager also records each request's rows at every block boundary it
+has computed and registers its blocks under keys of their own (`prefix_index.py`), finds the
+longest cached prefix for a new request, and counts a hit in rows, not tokens, so that vLLM's
+copy-on-write gives the request a private copy of a part-filled last block.
+
 Importing this module registers the spec with vLLM. The spec travels from the worker to the
 engine core by pickling, so both processes import it.
 """
