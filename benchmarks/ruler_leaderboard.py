@@ -145,7 +145,7 @@ PLANS: dict[tuple[str, int], Plan] = {
         trained=("full", SPEED22),
         agnostic=(),
         presses="snapkv,streaming_llm",
-        samples=20,
+        samples=10,  # an 8K prefill costs about twice a 4K one
     ),
     # Qwen2.5-0.5B: a prefill of 4K tokens is about four times SmolLM2's, of 16K about twenty
     # times, so fewer samples a task
