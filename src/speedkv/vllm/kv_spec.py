@@ -42,8 +42,8 @@ from speedkv.vllm.prefix_index import FRESH, Record, block_key, index_of, state_
 class SpeedUpperSpec(AttentionSpec):
     """An upper layer's KV: the full-depth rows of each request, in compact order."""
 
-    speed_anchors: int = 1
-    speed_deep: int = 1
+    speed_anchors: int
+    speed_deep: int
 
     def compact_tokens(self, num_tokens: int, prompt_len: int) -> int:
         """Rows a request of `num_tokens` tokens keeps in this layer."""
