@@ -14,6 +14,7 @@ from speedkv.methods.speed import SpeedRule
 from speedkv.vllm.args import engine_args, require_vllm
 from speedkv.vllm.compact import (
     Layout,
+    RequestLayout,
     compact_length,
     compact_slots,
     full_depth_rows,
@@ -95,6 +96,23 @@ def test_a_reused_prefix_keeps_its_rows_and_the_rule_applies_to_new_tokens(deep)
     # a fresh request (no hit) keeps the anchors and its own suffix, as before
     fresh = Layout.of(prompt, 1, deep, hit_tokens=torch.tensor([0, 0]), hit_rows=rows)
     assert torch.equal(fresh.length(prompt), compact_length(prompt, prompt, 1, deep))
+
+
+def test_one_request_layout_in_ints_is_the_tensor_layout():
+    """The KV manager's per-request layout (plain ints) and the builder's (tensors) agree."""
+    gen = torch.Generator().manual_seed(5)
+    for _ in range(300):
+        prompt, hit = (int(x) for x in torch.randint(0, 40, (2,), generator=gen))
+        hit = min(hit, prompt) if hit % 3 else 0  # a third of them fresh
+        rows = int(torch.randint(0, hit + 1, (1,), generator=gen)) if hit else 0
+        anchors = int(torch.randint(0, 4, (1,), generator=gen))
+        deep = int(torch.randint(1, 6, (1,), generator=gen))
+        seq = hit + int(torch.randint(1, 30, (1,), generator=gen))
+        tensor = Layout.of(torch.tensor([prompt]), anchors, deep, torch.tensor([hit]),
+                           torch.tensor([rows]))  # fmt: skip
+        one = RequestLayout.of(prompt, anchors, deep, hit, rows)
+        assert (one.deep_from, one.compact_at) == (int(tensor.deep_from), int(tensor.compact_at))
+        assert one.rows(seq) == int(tensor.length(torch.tensor([seq])))
 
 
 def test_requests_short_of_blocks():

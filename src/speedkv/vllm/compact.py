@@ -81,6 +81,27 @@ class Layout:
         return Layout(self.deep_from[index], self.compact_at[index])
 
 
+@dataclass(frozen=True)
+class RequestLayout:
+    """`Layout` of one request in plain ints: the KV manager asks it for every request at
+    every step, where building tensors would cost the scheduler a tenth of a millisecond."""
+
+    deep_from: int
+    compact_at: int
+
+    @classmethod
+    def of(cls, prompt_len: int, anchors: int, deep: int, hit_tokens: int = 0,
+           hit_rows: int = 0) -> RequestLayout:  # fmt: skip
+        deep_from = max(prompt_len - deep, 0)
+        if hit_tokens > 0:
+            return cls(max(deep_from, hit_tokens), hit_rows)
+        return cls(deep_from, min(deep_from, anchors))
+
+    def rows(self, seq_len: int) -> int:
+        """Compact rows of the request once it holds `seq_len` tokens."""
+        return min(seq_len, self.compact_at) + max(seq_len - self.deep_from, 0)
+
+
 def compact_length(
     seq_lens: torch.Tensor, prompt_lens: torch.Tensor, anchors: int, deep: int
 ) -> torch.Tensor:
@@ -92,7 +113,7 @@ def compact_length(
 
 def full_depth_count(seq_len: int, prompt_len: int, anchors: int, deep: int) -> int:
     """`compact_length` of one request."""
-    return int(compact_length(torch.tensor([seq_len]), torch.tensor([prompt_len]), anchors, deep))
+    return RequestLayout.of(prompt_len, anchors, deep).rows(seq_len)
 
 
 def step_positions(query_start: torch.Tensor, seq_lens: torch.Tensor) -> torch.Tensor:

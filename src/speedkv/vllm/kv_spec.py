@@ -27,14 +27,13 @@ from collections.abc import Sequence
 from dataclasses import dataclass, fields
 from typing import ClassVar
 
-import torch
 from vllm.utils.math_utils import cdiv
 from vllm.v1.core.kv_cache_utils import KVCacheBlock, make_block_hash_with_group_id
 from vllm.v1.core.single_type_kv_cache_manager import FullAttentionManager
 from vllm.v1.kv_cache_interface import AttentionSpec
 from vllm.v1.kv_cache_spec_registry import KVCacheSpecRegistry
 
-from speedkv.vllm.compact import Layout, full_depth_count
+from speedkv.vllm.compact import RequestLayout, full_depth_count
 from speedkv.vllm.prefix_index import FRESH, Record, block_key, index_of, state_after
 
 
@@ -88,15 +87,11 @@ class SpeedUpperManager(FullAttentionManager):
         super().remove_skipped_blocks(request_id, processed_computed_tokens, num_prompt_tokens)
 
     def _layout(self, request_id: str, fallback_prompt: int = 0,
-                hit: tuple[int, int] | None = None) -> Layout:  # fmt: skip
+                hit: tuple[int, int] | None = None) -> RequestLayout:  # fmt: skip
         prompt = self.prompt_lens.get(request_id, fallback_prompt)
         tokens, rows = hit if hit is not None else self.hits.get(request_id, (0, 0))
         spec = self.kv_cache_spec
-        return Layout.of(torch.tensor([prompt]), spec.speed_anchors, spec.speed_deep,
-                         torch.tensor([tokens]), torch.tensor([rows]))  # fmt: skip
-
-    def _compact(self, layout: Layout, num_tokens: int) -> int:
-        return int(layout.length(torch.tensor([num_tokens])))
+        return RequestLayout.of(prompt, spec.speed_anchors, spec.speed_deep, tokens, rows)
 
     def _new_hit(
         self, request_id: str, num_local_computed_tokens: int, blocks: Sequence[KVCacheBlock]
@@ -117,11 +112,11 @@ class SpeedUpperManager(FullAttentionManager):
         layout = self._layout(request_id, prefill_end, hit)
         return super().get_num_blocks_to_allocate(
             request_id,
-            self._compact(layout, num_tokens),
+            layout.rows(num_tokens),
             new_computed_blocks,
             hit[1],
             hit[1],
-            self._compact(layout, num_tokens_main_model),
+            layout.rows(num_tokens_main_model),
             apply_admission_cap=apply_admission_cap,
             prefill_end=prefill_end,
         )
@@ -146,8 +141,8 @@ class SpeedUpperManager(FullAttentionManager):
         layout = self._layout(request_id)
         return super().allocate_new_blocks(
             request_id,
-            self._compact(layout, num_tokens),
-            self._compact(layout, num_tokens_main_model),
+            layout.rows(num_tokens),
+            layout.rows(num_tokens_main_model),
         )
 
     def cache_blocks(self, request, num_tokens, retention_interval=None, *,
@@ -167,7 +162,7 @@ class SpeedUpperManager(FullAttentionManager):
         if first > done:
             return
         layout = self._layout(request_id, request.num_prompt_tokens)
-        deep_from = int(layout.deep_from)
+        deep_from = layout.deep_from
         base = self.states.get(request_id, FRESH)
         keys = self.full_keys.setdefault(request_id, [])
         blocks = self.req_to_blocks[request_id]
@@ -176,7 +171,7 @@ class SpeedUpperManager(FullAttentionManager):
         for boundary in range(first, done + 1, step):
             token_hash = request.block_hashes[boundary // hash_size - 1]
             state = state_after(base, token_hash, deep_from, boundary)
-            rows = self._compact(layout, boundary)
+            rows = layout.rows(boundary)
             while len(keys) < rows // self.block_size:  # blocks filled since the last one
                 keys.append(self._register(state, len(keys), blocks, boundary))
             record_keys = keys[: rows // self.block_size]
