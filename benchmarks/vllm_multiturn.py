@@ -14,7 +14,8 @@ Servers, started one after another through `speedkv serve --backend vllm`:
 
 Reports generated tokens/s, TTFT p50/p90 over every request and over the later turns alone
 (those that can reuse the conversation so far), and the share of prompt tokens vLLM served from
-its prefix cache (its own `/metrics` counters).
+its prefix cache (its own `/metrics` counters): the median of `--repeats` runs of each server,
+the servers' order rotated from one repeat to the next, and every run's tokens/s.
 
     .venv-vllm/bin/python benchmarks/vllm_multiturn.py --out benchmarks/vllm/multiturn
 """
@@ -23,10 +24,12 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import dataclasses
 import json
+import statistics
 import sys
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, fields
 from pathlib import Path
 
 import httpx
@@ -129,15 +132,27 @@ def measure(args, name: str, method: str, caching: bool, docs: list[str]) -> Ser
     )  # fmt: skip
 
 
-def markdown(runs: list[ServerRun]) -> str:
+def median_run(runs: list[ServerRun]) -> ServerRun:
+    """One server's repeats: the median of each figure, errors summed."""
+    numbers = {
+        f.name: statistics.median(getattr(r, f.name) for r in runs)
+        for f in fields(ServerRun)
+        if f.type in ("float", "int")
+    }
+    numbers["errors"] = sum(r.errors for r in runs)
+    return dataclasses.replace(runs[0], **numbers)
+
+
+def markdown(summary: list[ServerRun], runs: list[ServerRun]) -> str:
     lines = [
-        "| server | tokens/s | errors | TTFT p50 / p90 s | later turns TTFT p50 / p90 s "
-        "| prompt tokens from the cache |",
+        "| server | tokens/s (median, runs) | errors | TTFT p50 / p90 s | later turns TTFT "
+        "p50 / p90 s | prompt tokens from the cache |",
         "|---|---:|---:|---:|---:|---:|",
     ]
-    for r in runs:
+    for r in summary:
+        each = ", ".join(f"{x.tokens_per_s:.1f}" for x in runs if x.name == r.name)
         lines.append(
-            f"| {r.name} | {r.tokens_per_s:.1f} | {r.errors} | {r.ttft_p50_s:.2f} / "
+            f"| {r.name} | {r.tokens_per_s:.1f} ({each}) | {r.errors} | {r.ttft_p50_s:.2f} / "
             f"{r.ttft_p90_s:.2f} | {r.later_ttft_p50_s:.2f} / {r.later_ttft_p90_s:.2f} | "
             f"{100 * r.cached_tokens_share:.0f} % |"
         )
@@ -155,6 +170,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--max-tokens", type=int, default=32)
     p.add_argument("--dtype", default="bfloat16")
     p.add_argument("--vllm-cpus", default="0-1", help="VLLM_CPU_OMP_THREADS_BIND for the server")
+    p.add_argument("--repeats", type=int, default=3, help="runs of every server, interleaved")
     p.add_argument("--timeout", type=float, default=1800.0)
     p.add_argument("--out", type=Path, default=Path("runs/multiturn"))
     args = p.parse_args(argv)
@@ -164,7 +180,11 @@ def main(argv: list[str] | None = None) -> int:
     servers = [("stock vLLM, prefix caching", "full", True),
                (f"{speed}, prefix caching", args.method, True),
                (f"{speed}, no prefix caching", args.method, False)]  # fmt: skip
-    runs = [measure(args, *server, docs) for server in servers]
+    runs: list[ServerRun] = []
+    for repeat in range(args.repeats):  # servers in rotated order, so drift hits each alike
+        shift = repeat % len(servers)
+        runs += [measure(args, *server, docs) for server in servers[shift:] + servers[:shift]]
+    summary = [median_run([r for r in runs if r.name == name]) for name, _, _ in servers]
     from speedkv.bench.machine import machine_facts
 
     record = {
@@ -172,12 +192,14 @@ def main(argv: list[str] | None = None) -> int:
                              *(argv if argv is not None else sys.argv[1:])]),
         "model": args.model, "clients": args.clients, "turns": args.turns,
         "doc_tokens": args.doc_tokens, "max_tokens": args.max_tokens, "dtype": args.dtype,
-        "machine": machine_facts(), "runs": [asdict(r) for r in runs],
+        "repeats": args.repeats, "machine": machine_facts(),
+        "median": [asdict(r) for r in summary], "runs": [asdict(r) for r in runs],
     }  # fmt: skip
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / "results.json").write_text(json.dumps(record, indent=2))
-    (args.out / "table.md").write_text(markdown(runs))
-    print(markdown(runs))
+    table = markdown(summary, runs)
+    (args.out / "table.md").write_text(table)
+    print(table)
     return 0
 
 
