@@ -26,24 +26,49 @@ import os
 import sys
 from pathlib import Path
 
+BLOCK = 128  # vLLM's block size on the CPU, in tokens
+
+
+def in_process_vllm() -> None:
+    """vLLM's engine core in this process, its scheduler in reach, quiet, and no KV space of
+    its own (it would override the pool set per engine). Call before vLLM is imported."""
+    os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+    os.environ.pop("VLLM_CPU_KVCACHE_SPACE", None)
+    os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
+
+
+def stock_pool_bytes(directory, dtype: str, blocks: int) -> int:
+    """The bytes of `blocks` blocks of the stock model: 128 tokens in every layer."""
+    import torch
+
+    from speedkv.vllm.args import model_shape
+
+    shape = model_shape(directory)
+    return blocks * BLOCK * shape.kv_bytes_per_token_layer(getattr(torch, dtype)) * shape.num_layers
+
+
+def write_record(record: dict, out: Path | None) -> None:
+    """Print a run's record as JSON, and write it to `out` when given."""
+    text = json.dumps(record, indent=2)
+    if out:
+        out.parent.mkdir(parents=True, exist_ok=True)
+        out.write_text(text)
+    print(text)
+
 
 def measure(method: str, compact: bool, args, prompts) -> dict:
-    import torch
     from vllm import LLM, SamplingParams
 
-    from speedkv.vllm.args import engine_args, model_shape
+    from speedkv.vllm.args import engine_args
     from speedkv.vllm.offline import shut_down
 
     directory = args.directory
-    shape = model_shape(directory)
     extra = engine_args(method, directory)
     if "hf_overrides" in extra:
         extra["hf_overrides"]["speedkv_compact_kv"] = compact
-    block = 128
-    token_bytes = shape.kv_bytes_per_token_layer(getattr(torch, args.dtype)) * shape.num_layers
-    pool = args.pool_stock_blocks * block * token_bytes
+    pool = stock_pool_bytes(directory, args.dtype, args.pool_stock_blocks)
     settings = dict(dtype=args.dtype, seed=0, enforce_eager=True, enable_prefix_caching=False,
-                    block_size=block, kv_cache_memory_bytes=pool, max_num_seqs=len(prompts),
+                    block_size=BLOCK, kv_cache_memory_bytes=pool, max_num_seqs=len(prompts),
                     max_model_len=args.prompt_tokens + args.new_tokens + 8,
                     disable_log_stats=False)  # fmt: skip
     llm = LLM(model=str(directory), **{**settings, **extra})
@@ -108,9 +133,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--out", type=Path, default=None, help="write the results as JSON here")
     args = p.parse_args(argv)  # fmt: skip
 
-    os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")  # the scheduler in reach
-    os.environ.pop("VLLM_CPU_KVCACHE_SPACE", None)  # it would override the pool set here
-    os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
+    in_process_vllm()
     from speedkv.bench.machine import machine_facts
     from speedkv.hf.loading import load_tokenizer, model_directory
     from speedkv.prompts.builders import exact_chat_prompt
@@ -135,11 +158,7 @@ def main(argv: list[str] | None = None) -> int:
         "new_tokens": args.new_tokens, "dtype": args.dtype,
         "pool_stock_blocks": args.pool_stock_blocks, "machine": machine_facts(), "runs": runs,
     }  # fmt: skip
-    text = json.dumps(record, indent=2)
-    if args.out:
-        args.out.parent.mkdir(parents=True, exist_ok=True)
-        args.out.write_text(text)
-    print(text)
+    write_record(record, args.out)
     return 0
 
 

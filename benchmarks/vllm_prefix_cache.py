@@ -23,12 +23,12 @@ from __future__ import annotations
 
 import argparse
 import gc
-import json
-import os
 import statistics
 import sys
 import time
 from pathlib import Path
+
+from vllm_capacity import BLOCK, in_process_vllm, stock_pool_bytes, write_record
 
 
 def build(method: str, args, **options):
@@ -36,7 +36,7 @@ def build(method: str, args, **options):
 
     from speedkv.vllm.args import engine_args
 
-    settings = dict(dtype=args.dtype, seed=0, enable_prefix_caching=True, block_size=128,
+    settings = dict(dtype=args.dtype, seed=0, enable_prefix_caching=True, block_size=BLOCK,
                     max_model_len=args.doc_tokens + 256)  # fmt: skip
     return LLM(model=str(args.directory), **{**settings, **engine_args(method, args.directory),
                                               **options})  # fmt: skip
@@ -92,13 +92,7 @@ def measure_ttft(method: str, args, doc: list[int], questions: list[list[int]]) 
 
 
 def measure_resident(method: str, args, docs: list[list[int]], question: list[int]) -> dict:
-    import torch
-
-    from speedkv.vllm.args import model_shape
-
-    shape = model_shape(args.directory)
-    token_bytes = shape.kv_bytes_per_token_layer(getattr(torch, args.dtype)) * shape.num_layers
-    pool = args.pool_stock_blocks * 128 * token_bytes
+    pool = stock_pool_bytes(args.directory, args.dtype, args.pool_stock_blocks)
     llm = build(method, args, kv_cache_memory_bytes=pool, enforce_eager=True)
     try:
         from vllm import SamplingParams
@@ -114,7 +108,7 @@ def measure_resident(method: str, args, docs: list[list[int]], question: list[in
             while engine.has_unfinished_requests():
                 engine.step()
         coordinator = scheduler.kv_cache_manager.coordinator
-        whole = len(docs[0]) // 128 * 128
+        whole = len(docs[0]) // BLOCK * BLOCK
         hits = [coordinator.find_longest_cache_hit(r.block_hashes, r.num_tokens - 1)[1]
                 for r in requests]  # fmt: skip
         resident = [i for i, hit in enumerate(hits) if hit >= whole]
@@ -146,9 +140,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--out", type=Path, default=None, help="write the results as JSON here")
     args = p.parse_args(argv)
 
-    os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")  # the scheduler in reach
-    os.environ.pop("VLLM_CPU_KVCACHE_SPACE", None)  # it would override the pool set here
-    os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
+    in_process_vllm()
     from speedkv.bench.machine import machine_facts
     from speedkv.hf.loading import load_tokenizer, model_directory
     from speedkv.prompts.builders import exact_chat_prompt
@@ -177,11 +169,7 @@ def main(argv: list[str] | None = None) -> int:
             if stock and stock["resident_documents"]:
                 run["vs_stock"] = run["resident_documents"] / stock["resident_documents"]
         record["resident"] = runs
-    text = json.dumps(record, indent=2)
-    if args.out:
-        args.out.parent.mkdir(parents=True, exist_ok=True)
-        args.out.write_text(text)
-    print(text)
+    write_record(record, args.out)
     return 0
 
 

@@ -33,7 +33,7 @@ from vllm.v1.core.single_type_kv_cache_manager import FullAttentionManager
 from vllm.v1.kv_cache_interface import AttentionSpec
 from vllm.v1.kv_cache_spec_registry import KVCacheSpecRegistry
 
-from speedkv.vllm.compact import RequestLayout, full_depth_count
+from speedkv.vllm.compact import RequestLayout
 from speedkv.vllm.prefix_index import FRESH, Record, block_key, index_of, state_after
 
 
@@ -43,10 +43,6 @@ class SpeedUpperSpec(AttentionSpec):
 
     speed_anchors: int
     speed_deep: int
-
-    def compact_tokens(self, num_tokens: int, prompt_len: int) -> int:
-        """Rows a request of `num_tokens` tokens keeps in this layer."""
-        return full_depth_count(num_tokens, prompt_len, self.speed_anchors, self.speed_deep)
 
     def max_memory_usage_bytes(self, vllm_config) -> int:
         # a one-token prompt generating up to the context keeps every row
