@@ -147,7 +147,8 @@ bench-vllm: vllm-venv
 		--out benchmarks/vllm/serving
 
 # vLLM's prefix caching under SPEED: TTFT over a cached 4K document and cached documents that
-# stay resident in one pool (about 8 min on 2 cores), then multi-turn chat serving
+# stay resident in one pool (about 8 min on 2 cores), then multi-turn chat serving, three
+# interleaved runs of each server (about 11 min)
 .PHONY: bench-vllm-prefix
 bench-vllm-prefix: vllm-venv
 	$(VLLM_VENV)/bin/python benchmarks/vllm_prefix_cache.py --out benchmarks/vllm/prefix-cache.json
