@@ -10,6 +10,7 @@ from __future__ import annotations
 import functools
 import gc
 import os
+from contextlib import contextmanager
 from dataclasses import dataclass
 from types import SimpleNamespace
 
@@ -37,9 +38,11 @@ class VllmRun:
     rank_rows: list[int | None]  # upper_rows of every worker (tensor-parallel ranks)
 
 
-def run_vllm(directory, prompts: list[list[int]], new_tokens: int, **llm_args) -> VllmRun:
-    """Greedy tokens from one vLLM engine built for this call (float32, eager)."""
-    from vllm import LLM, SamplingParams
+@contextmanager
+def vllm_engine(directory, **llm_args):
+    """One vLLM engine (float32, eager, seed 0 unless asked otherwise), each worker bound to a
+    core, shut down when the block ends."""
+    from vllm import LLM
 
     from speedkv.vllm.offline import cpu_thread_binding, shut_down
 
@@ -49,6 +52,20 @@ def run_vllm(directory, prompts: list[list[int]], new_tokens: int, **llm_args) -
     cpu_thread_binding(ranks)
     llm = LLM(model=str(directory), disable_log_stats=False, **llm_args)
     try:
+        yield llm
+    finally:
+        shut_down(llm)
+        del llm
+        gc.collect()
+        if binding is None:  # the next engine may have another number of ranks
+            os.environ.pop("VLLM_CPU_OMP_THREADS_BIND", None)
+
+
+def run_vllm(directory, prompts: list[list[int]], new_tokens: int, **llm_args) -> VllmRun:
+    """Greedy tokens from one vLLM engine built for this call (float32, eager)."""
+    from vllm import SamplingParams
+
+    with vllm_engine(directory, **llm_args) as llm:
         sampling = SamplingParams(temperature=0.0, max_tokens=new_tokens, ignore_eos=True,
                                   detokenize=not llm_args.get("skip_tokenizer_init"))  # fmt: skip
         outputs = llm.generate([{"prompt_token_ids": p} for p in prompts], sampling, use_tqdm=False)
@@ -60,12 +77,6 @@ def run_vllm(directory, prompts: list[list[int]], new_tokens: int, **llm_args) -
         )
         tokens = [list(o.outputs[0].token_ids) for o in outputs]
         return VllmRun(tokens, rows[0], preemptions, rows)
-    finally:
-        shut_down(llm)
-        del llm
-        gc.collect()
-        if binding is None:  # the next engine may have another number of ranks
-            os.environ.pop("VLLM_CPU_OMP_THREADS_BIND", None)
 
 
 # -- SmolLM2-135M, a mixed batch and speedkv's own engine's tokens, shared by the test files --

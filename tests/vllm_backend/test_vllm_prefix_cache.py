@@ -11,8 +11,6 @@ generated tokens), and the rule applies to the new tokens. All three give the sa
 
 from __future__ import annotations
 
-import gc
-import os
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
@@ -25,10 +23,9 @@ from speedkv.core.prefix import CachedPrefix, PrefixCache, common_prefix
 from speedkv.methods.speed import SpeedRule
 from speedkv.prompts.builders import exact_chat_prompt
 from speedkv.vllm.args import engine_args
-from speedkv.vllm.offline import cpu_thread_binding, shut_down
 from speedkv.vllm.settings import SpeedSettings
 
-from conftest import run_vllm
+from conftest import run_vllm, vllm_engine
 
 NEW = 6
 LOGPROB_TOLERANCE = 2e-4  # float32: vLLM's CPU kernels against a dense torch forward (~2e-5)
@@ -98,29 +95,18 @@ def serve(directory, method: str, steps: list[Callable[[list[Served]], list[int]
           new: int = NEW, **llm_args) -> list[Served]:  # fmt: skip
     """Each step's prompt (built from the requests served before it), sent to one vLLM
     engine with prefix caching on, one after another."""
-    from vllm import LLM
     from vllm import SamplingParams as VllmSampling
 
-    args = {**engine_args(method, directory), "enable_prefix_caching": True,
-            "enforce_eager": True, **llm_args}  # fmt: skip
-    binding = os.environ.get("VLLM_CPU_OMP_THREADS_BIND")
-    cpu_thread_binding(args.get("pipeline_parallel_size", 1))
-    llm = LLM(model=str(directory), dtype="float32", seed=0, **args)
+    args = {**engine_args(method, directory), "enable_prefix_caching": True, **llm_args}
     sampling = VllmSampling(temperature=0.0, max_tokens=new, ignore_eos=True, logprobs=0)
     served: list[Served] = []
-    try:
+    with vllm_engine(directory, **args) as llm:
         for step in steps:
             ids = step(served)
             done = llm.generate([{"prompt_token_ids": ids}], sampling, use_tqdm=False)[0]
             out = done.outputs[0]
-            chosen = [step[t].logprob for step, t in zip(out.logprobs, out.token_ids)]
+            chosen = [by_token[t].logprob for by_token, t in zip(out.logprobs, out.token_ids)]
             served.append(Served(ids, list(out.token_ids), chosen, done.num_cached_tokens))
-    finally:
-        shut_down(llm)
-        del llm
-        gc.collect()
-        if binding is None:
-            os.environ.pop("VLLM_CPU_OMP_THREADS_BIND", None)
     return served
 
 

@@ -7,10 +7,9 @@ import pytest
 
 from speedkv.prompts.builders import exact_chat_prompt
 from speedkv.vllm.args import engine_args
-from speedkv.vllm.offline import shut_down
 from speedkv.vllm.settings import SpeedSettings
 
-from conftest import NEW, run_vllm, upper_rows
+from conftest import NEW, run_vllm, upper_rows, vllm_engine
 
 
 def test_full_is_stock_vllm_and_equals_the_engine(directory, prompts, reference):
@@ -85,19 +84,13 @@ def test_preemption_recomputes_the_same_tokens(directory, smollm, reference, com
 
 def test_prompt_logprobs_are_refused_offline(directory):
     """From Python too: SPEED cannot score prompt tokens, so vLLM refuses the request."""
-    from vllm import LLM
     from vllm import SamplingParams as VllmSampling
     from vllm.exceptions import VLLMValidationError
 
-    llm = LLM(model=str(directory), dtype="float32", enforce_eager=True,
-              **engine_args("speed:lcut=22,deep=1", directory))  # fmt: skip
-    try:
+    with vllm_engine(directory, **engine_args("speed:lcut=22,deep=1", directory)) as llm:
         with pytest.raises(VLLMValidationError, match="not available under SPEED"):
             llm.generate([{"prompt_token_ids": [1, 2, 3, 4]}],
                          VllmSampling(max_tokens=2, prompt_logprobs=1), use_tqdm=False)  # fmt: skip
         # everything else runs
         assert llm.generate([{"prompt_token_ids": [1, 2, 3, 4]}], VllmSampling(max_tokens=2),
                             use_tqdm=False)[0].outputs[0].token_ids  # fmt: skip
-    finally:
-        shut_down(llm)
-        del llm
