@@ -259,6 +259,12 @@ def render(args, work: Path, out: Path) -> None:
     out.mkdir(parents=True, exist_ok=True)
     title = f"{args.model}, RULER at {args.length} tokens"
     plot = lb.plot_pareto(rows, args.length, out / "pareto.png", title)
+    board = lb.leaderboard_table(rows, args.length)
+    per_task = {  # the settings with rows at this length
+        setting: lb.task_table(rows, args.length, setting)
+        for setting in (lb.AWARE, lb.AGNOSTIC)
+        if any(r.setting == setting and r.length == args.length for r in rows)
+    }
     parts = [
         f"# {title}\n",
         f"Generated {time.strftime('%Y-%m-%d %H:%M')} by `benchmarks/ruler_leaderboard.py "
@@ -270,24 +276,21 @@ def render(args, work: Path, out: Path) -> None:
         + "values marked * are medians of the per-sample ratios in the sweeps (kvpress's "
         "against its own pipeline without a press).\n",
         "## Leaderboard\n",
-        lb.leaderboard_table(rows, args.length),
+        board,
     ]
-    for setting in (lb.AWARE, lb.AGNOSTIC):
-        if any(r.setting == setting and r.length == args.length for r in rows):
-            parts += [f"## Per task, {lb.SETTING_LABELS[setting]}\n"]
-            parts += [lb.task_table(rows, args.length, setting)]
+    for setting, table in per_task.items():
+        parts += [f"## Per task, {lb.SETTING_LABELS[setting]}\n", table]
     if plot:
         parts += ["## Pareto front\n", f"![RULER against KV and TTFT]({plot.name})\n"]
     hours = sum(r.seconds for r in rows) / 3600
     parts += [f"Samples' wall time, all rows: {hours:.1f} h (CPU shared by the parallel parts).\n"]
     (out / "leaderboard.md").write_text("\n".join(parts))
     if args.docs:
-        tables = [lb.leaderboard_table(rows, args.length)]
         captions = {lb.AWARE: "Per task, question in view (RULER's metric, percent):",
                     lb.AGNOSTIC: "Per task, context cached before the question:"}  # fmt: skip
-        for setting, caption in captions.items():
-            if any(r.setting == setting and r.length == args.length for r in rows):
-                tables += [caption + "\n", lb.task_table(rows, args.length, setting)]
+        tables = [board]
+        for setting, table in per_task.items():
+            tables += [captions[setting] + "\n", table]
         if plot:
             image = os.path.relpath(plot, args.docs.parent)
             tables += [f"![RULER average against KV and TTFT ratio, Pareto front]({image})"]
