@@ -15,6 +15,8 @@ import httpx
 import openai
 import pytest
 
+from helpers import load_benchmark
+
 ROOT = Path(__file__).resolve().parents[2]
 ADAPTER = ROOT / "adapters" / "smollm2-135m-speed22-bos"
 MODEL = "smollm2-135m"
@@ -99,12 +101,8 @@ def test_prompt_logprobs_are_refused(server):
 
 def prefix_cache_counters(base: str) -> tuple[float, float]:
     """vLLM's own prefix-cache counters: prompt tokens looked up, and found cached."""
-    found = {}
-    for line in httpx.get(base + "/metrics", timeout=30).text.splitlines():
-        for name in ("vllm:prefix_cache_queries_total", "vllm:prefix_cache_hits_total"):
-            if line.startswith(name):
-                found[name] = float(line.rpartition(" ")[2])
-    return found["vllm:prefix_cache_queries_total"], found["vllm:prefix_cache_hits_total"]
+    values = load_benchmark("loadtest").parse_metrics(httpx.get(base + "/metrics", timeout=30).text)
+    return values["vllm:prefix_cache_queries_total"], values["vllm:prefix_cache_hits_total"]
 
 
 def test_prefix_caching_is_on_and_counted_by_vllm(server):
