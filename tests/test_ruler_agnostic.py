@@ -10,6 +10,7 @@ import pytest
 
 from speedkv.errors import UserError
 from speedkv.evals import ruler
+from speedkv.evals.report import summarise
 from speedkv.evals.runner import EvalConfig, EvalRunner
 
 pytestmark = pytest.mark.skipif(
@@ -41,12 +42,12 @@ def test_context_tokens_end_where_the_question_starts(smol_tokenizer, root, task
         assert question.strip() in rest
 
 
-def run(word_model, root, tmp_path, methods, agnostic, task="ruler/niah_single_1"):
+def run(word_model, root, tmp_path, methods, agnostic, task="ruler/niah_single_1", shared=False):
     config = EvalConfig(
         model="tiny-words", methods=methods, tasks=[task], lengths=[LENGTH[task]],
-        n={task: N}, ruler_data=str(root), query_agnostic=agnostic,
+        n={task: N}, ruler_data=str(root), query_agnostic=agnostic, shared_prefill=shared,
     )  # fmt: skip
-    out = tmp_path / ("agnostic" if agnostic else "aware")
+    out = tmp_path / ("agnostic" if agnostic else "aware") / ("shared" if shared else "own")
     return EvalRunner(word_model, config, out).run(progress=False, plots=False)["records"]
 
 
@@ -69,6 +70,36 @@ def test_full_answers_the_same_from_a_cached_context(word_model, root, tmp_path)
     speeds = [(a, b) for a, b in zip(aware, agnostic) if a["method"] != "full"]
     for a, b in speeds:
         assert b["kv_bytes"] - a["kv_bytes"] == 2 * per_token_layer
+
+
+@pytest.mark.parametrize("task", ["ruler/niah_single_1", "ruler/vt"])
+def test_shared_prefill_gives_the_answers_and_caches_of_separate_prefills(
+    word_model, root, tmp_path, task
+):
+    """--shared-prefill: full and every SPEED method start from one full prefill of the
+    prompt; the answers and caches are those of each method's own prefill. SPEED's TTFT is
+    then not measured, and the report shows none."""
+    methods = ["full", SPEED, "speed:lcut=1,anchors=sink:4,deep=5", "snapkv:retain=0.5"]
+    own = run(word_model, root, tmp_path, methods, agnostic=False, task=task)
+    shared = run(word_model, root, tmp_path, methods, agnostic=False, task=task, shared=True)
+    assert len(own) == len(shared) == len(methods) * N
+    for a, b in zip(own, shared):
+        assert (a["method"], a["sample"], a["answer"]) == (b["method"], b["sample"], b["answer"])
+        assert a["kv_bytes"] == b["kv_bytes"]
+        took = b["method"].startswith("speed") or b["method"] == "full"
+        assert b.get("prefill_shared", False) is took
+        untimed = b["method"].startswith("speed")
+        assert (b["ttft_s"] is None, b["ttft_ratio"] is None) == (untimed, untimed)
+    recorded = list(dict.fromkeys(r["method"] for r in shared))
+    summary = {(r["method"], r["task"]): r for r in summarise(shared, recorded, [task])}
+    assert len(summary) == 2 * len(methods)  # the task and RULER's average, per method
+    for (method, _), row in summary.items():
+        assert (row["ttft_ratio"] is None) is method.startswith("speed")
+
+
+def test_shared_prefill_is_refused_with_query_agnostic(word_model, root, tmp_path):
+    with pytest.raises(UserError, match="--shared-prefill does not go with --query-agnostic"):
+        run(word_model, root, tmp_path, ["full", SPEED], agnostic=True, shared=True)
 
 
 def test_methods_that_choose_their_cache_with_the_question_are_refused(word_model, tmp_path):

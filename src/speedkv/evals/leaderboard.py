@@ -22,7 +22,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from speedkv.evals import ruler
-from speedkv.evals.report import ruler_score, summarise
+from speedkv.evals.report import median_ttft_ratio, ruler_score, summarise
 
 AWARE, AGNOSTIC = "aware", "agnostic"
 SETTING_LABELS = {AWARE: "query-aware", AGNOSTIC: "query-agnostic"}
@@ -64,7 +64,7 @@ class Row:
     scores: dict[str, float]  # task -> mean score, a fraction
     counts: dict[str, int]  # task -> samples
     kv_ratio: float
-    ttft_ratio: float
+    ttft_ratio: float | None  # None: no sample timed on its own, and no quiet bench run
     ttft_source: str = "records"  # records (median per-sample ratio) or bench (quiet run)
     seconds: float = 0.0  # wall time of every sample, all tasks
     extra: dict = field(default_factory=dict)
@@ -166,7 +166,7 @@ def rows_from_runs(
             scores={t: s["score"] for t, s in per_task.items()},
             counts={t: s["n"] for t, s in per_task.items()},
             kv_ratio=statistics.fmean(r["kv_ratio"] for r in records),
-            ttft_ratio=statistics.median(r["ttft_ratio"] for r in records),
+            ttft_ratio=median_ttft_ratio(records),
             seconds=sum(r.get("seconds", 0.0) for r in records),
         )
         if ttft and (method, length) in ttft and engine == "speedkv":
@@ -213,7 +213,11 @@ def untrained_front(rows: list[Row], cost: str) -> list[int]:
     """Indices of `rows` on the Pareto front of RULER average against `cost` (kv_ratio or
     ttft_ratio), over the untrained rows only: a trained row is another model. Costs count to
     three decimals, so rows set to one budget tie instead of ranking by their rounding."""
-    untrained = [i for i, r in enumerate(rows) if not r.adapter and r.average is not None]
+    untrained = [
+        i
+        for i, r in enumerate(rows)
+        if not r.adapter and r.average is not None and getattr(r, cost) is not None
+    ]
     points = [(round(getattr(rows[i], cost), 3), rows[i].average) for i in untrained]
     return [untrained[j] for j in pareto_front(points)]
 
@@ -253,7 +257,11 @@ def leaderboard_table(rows: list[Row], length: int) -> str:
         }
         first = both.get(AWARE) or both[AGNOSTIC]
         samples = sorted({r.min_samples for r in both.values()})
-        ttft = f"{first.ttft_ratio:.3f}" + ("" if first.ttft_source == "bench" else "*")
+        ttft = (
+            "–"
+            if first.ttft_ratio is None
+            else f"{first.ttft_ratio:.3f}" + ("" if first.ttft_source == "bench" else "*")
+        )
         lines.append(
             f"| {first.label} (`{_short_spec(method)}`) | {_adapter_cell(adapter)} "
             f"| {first.kv_ratio:.3f} | {ttft} "
@@ -319,7 +327,7 @@ def plot_pareto(rows: list[Row], length: int, path: Path, title: str = "") -> Pa
     ):
         labels: list[tuple[float, float, str]] = []
         for setting, colour in ((AWARE, "tab:blue"), (AGNOSTIC, "tab:orange")):
-            points = [r for r in mine if r.setting == setting]
+            points = [r for r in mine if r.setting == setting and getattr(r, cost) is not None]
             if not points:
                 continue
             xy = [(getattr(r, cost), 100 * r.average) for r in points]

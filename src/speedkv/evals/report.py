@@ -61,8 +61,15 @@ def ratios(records: list[dict]) -> dict:
     prompt (median: single timings on a shared CPU are noisy)."""
     return {
         "kv_ratio": statistics.fmean(r["kv_ratio"] for r in records),
-        "ttft_ratio": statistics.median(r["ttft_ratio"] for r in records),
+        "ttft_ratio": median_ttft_ratio(records),
     }
+
+
+def median_ttft_ratio(records: list[dict]) -> float | None:
+    """The median per-sample TTFT ratio over the samples timed on their own; None when none
+    was (a prefill shared by several methods times none of them but full)."""
+    timed = [r["ttft_ratio"] for r in records if r.get("ttft_ratio") is not None]
+    return statistics.median(timed) if timed else None
 
 
 def summary_row(task: str, method: str, length: int, records: list[dict]) -> dict:
@@ -280,7 +287,7 @@ def ruler_tables(summary: list[dict], level: str = "##") -> str:
                 values += [
                     ruler_score(average["score"]),
                     f"{average['kv_ratio']:.3f}",
-                    f"{average['ttft_ratio']:.2f}",
+                    "–" if average["ttft_ratio"] is None else f"{average['ttft_ratio']:.2f}",
                 ]
             lines.append(f"| `{method}` | " + " | ".join(values) + " |")
         parts.append("\n".join(lines) + "\n")

@@ -62,9 +62,10 @@ class EvalConfig:
     # needle questions in a user message of their own after the document's (the layout of a
     # cached document asked a question; `deep=turn` then keeps only the question deep)
     question_turn: bool = False
-    # needle samples prefill once with full attention; full and every SPEED method start from
-    # that cache (SPEED's lower layers and anchors are full attention's), so a sweep over
-    # cutoffs and anchors costs about one prefill per sample (equal up to rounding)
+    # needle and RULER samples (question in view) prefill once with full attention; full and
+    # every SPEED method start from that cache (SPEED's lower layers and anchors are full
+    # attention's), so a sweep over cutoffs and anchors costs about one prefill per sample
+    # (equal up to rounding); SPEED's TTFT is then not measured
     shared_prefill: bool = False
     # fidelity and sanity compare with full attention on this model instead of the evaluated
     # one's own (e.g. a full-depth fine-tune against a SPEED-trained one); same tokenizer
@@ -177,6 +178,11 @@ class EvalRunner:
                     )
 
     def _check_query_agnostic(self) -> None:
+        if self.config.shared_prefill:
+            raise UserError(
+                "--shared-prefill does not go with --query-agnostic: each method caches the "
+                "context before its question itself"
+            )
         other = [t for t in self.config.tasks if not ruler.is_ruler(t)]
         if other:
             raise UserError(
@@ -526,16 +532,20 @@ class EvalRunner:
             if self.config.query_agnostic
             else None
         )
+        # with shared_prefill (question in view), full and SPEED start from one full prefill of
+        # the whole prompt; SPEED's own prefill is then not timed, so its TTFT is not recorded
+        shared = {} if context is not None else self._shared_prefixes(sample.prompt, methods)
         for method in methods:
             t0 = time.perf_counter()
             cached = (
-                None
+                shared.get(method)
                 if context is None
                 else self.engine.prefill(sample.prompt.ids[:context], method)
             )
             g = self._generate(method, sample.prompt, max_new_tokens(unit.task), cached)
             # query-agnostic: the first question pays for the context's prefill too
-            ttft_s = g.ttft_s + (cached.ttft_s if cached else 0.0)
+            untimed = method in shared and method != FULL
+            ttft_s = None if untimed else g.ttft_s + (cached.ttft_s if cached else 0.0)
             # full runs first on a sample, or was recorded before a resume
             full = {"kv_bytes": g.kv_bytes, "ttft_s": ttft_s} if method == FULL else reference
             record = {
@@ -553,7 +563,8 @@ class EvalRunner:
                 "kv_bytes": g.kv_bytes,
                 "kv_ratio": g.kv_bytes / full["kv_bytes"],
                 "ttft_s": ttft_s,
-                "ttft_ratio": ttft_s / full["ttft_s"],
+                "ttft_ratio": None if ttft_s is None else ttft_s / full["ttft_s"],
+                **({"prefill_shared": True} if method in shared else {}),
                 "seconds": time.perf_counter() - t0,
                 **({"setting": "agnostic", "context_tokens": context} if cached else {}),
             }
