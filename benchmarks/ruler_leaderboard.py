@@ -81,6 +81,9 @@ class Plan:
     samples: int  # per task
     kvzip: bool = False
     more_kv: tuple[float, ...] = ()  # other KV ratios SPEED reaches here, for kvpress too
+    # full and SPEED start from one full prefill per sample (speedkv eval --shared-prefill):
+    # the same answers for about one prefill a sample; SPEED's TTFT then comes from `ttft`
+    shared_prefill: bool = True
 
     def compression_ratios(self) -> str:
         """kvpress's --ratios: the share of entries each press removes, one per KV ratio."""
@@ -134,6 +137,7 @@ PLANS: dict[tuple[str, int], Plan] = {
         samples=20,
         kvzip=True,
         more_kv=(SMOLLM2_KV26,),  # kvpress also at SPEED-26's ratio
+        shared_prefill=False,  # measured before the sweeps could share one
     ),
     # the 8K check: SPEED, its adapter and SnapKV; kvpress's SnapKV (the press ours is held
     # to) and StreamingLLM until the 4K board names its two best presses (--presses overrides)
@@ -156,9 +160,10 @@ PLANS: dict[tuple[str, int], Plan] = {
 
 def sweeps(plan: Plan) -> dict[str, Sweep]:
     """The sweeps of one plan (a plan without agnostic rows has no agnostic sweep)."""
+    shared = ["--shared-prefill"] if plan.shared_prefill else []
     out = {
-        "base": Sweep("base", ["full", *plan.speed, *plan.peers]),
-        "adapter": Sweep("adapter", list(plan.trained), ["--adapter", plan.adapter]),
+        "base": Sweep("base", ["full", *plan.speed, *plan.peers], shared),
+        "adapter": Sweep("adapter", list(plan.trained), ["--adapter", plan.adapter, *shared]),
         "agnostic": Sweep("agnostic", list(plan.agnostic), ["--query-agnostic"]),
         "kvpress": Sweep("kvpress", [plan.presses], peer=True),
         "kvzip": Sweep("kvzip", [KVZIP], peer=True),

@@ -65,3 +65,13 @@ def test_the_published_page_is_fenced_for_the_4k_board():
     page = (ROOT / "docs" / "ruler.md").read_text()
     begin, end = board.docs_markers("smollm2-135m-4096")
     assert page.count(begin) == page.count(end) == 1
+
+
+def test_later_plans_share_one_prefill_and_the_4k_board_keeps_its_own():
+    for key, plan in board.PLANS.items():
+        sweeps = board.sweeps(plan)
+        for name in ("base", "adapter"):
+            shared = "--shared-prefill" in sweeps[name].args
+            assert shared is (key != ("smollm2-135m", 4096)), (key, name)
+        if "agnostic" in sweeps:  # a context cached before its question is each method's own
+            assert "--shared-prefill" not in sweeps["agnostic"].args
