@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import subprocess
+from pathlib import Path
 
 import pytest
 
@@ -13,6 +15,8 @@ from speedkv.evals import leaderboard as lb
 from speedkv.evals import ruler
 
 from helpers import load_benchmark
+
+ROOT = Path(__file__).resolve().parents[1]
 
 pytestmark = pytest.mark.skipif(
     any(importlib.util.find_spec(m) is None for m in ("long_context_eval", "nltk", "punkt")),
@@ -116,3 +120,58 @@ def test_a_token_mismatch_is_reported(peer, samples):
     ]
     _, mismatches = peer.build_records(samples, 1024, rows)
     assert mismatches and "differ from the prompt's" in mismatches[0]
+
+
+KVPRESS_PYTHON = ROOT / ".venv-kvpress" / "bin" / "python"
+
+
+@pytest.mark.skipif(not KVPRESS_PYTHON.exists(), reason="no kvpress environment")
+def test_shared_prefills_give_the_pipeline_calls_answers(peer, samples, smol_tokenizer, tmp_path):
+    """The kvpress half's two shortcuts against one pipeline call per press and ratio: the
+    scorer presses (and press=None) share one prefill, KVzip's ratios one prefill and one
+    replay. Every answer, token count, cache size and masked share must be the pipeline's."""
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    config = LlamaConfig(
+        vocab_size=len(smol_tokenizer), hidden_size=128, intermediate_size=128,
+        num_hidden_layers=3, num_attention_heads=2, num_key_value_heads=1,
+        max_position_embeddings=1024, bos_token_id=1, eos_token_id=2,
+    )  # fmt: skip
+    # head_dim 64: KVzip's masks need a key no query attends to, which 8 dimensions lack
+    model_dir = tmp_path / "model"
+    LlamaForCausalLM(config).save_pretrained(model_dir)
+    smol_tokenizer.save_pretrained(model_dir)
+    jobs = peer.make_jobs(samples[:2], 1024)
+    for job in jobs:
+        job["max_new_tokens"] = 12  # a random model: its answers only have to be equal
+    results = {}
+    for share in (False, True):
+        spec = {
+            "model": str(model_dir), "threads": 1, "presses": list(peer.PRESSES),
+            "share_prefill": share, "ratios": [0.267, 0.133],
+            "settings": list(peer.SETTINGS), "jobs": jobs,
+        }  # fmt: skip
+        path = tmp_path / f"jobs-{share}.json"
+        path.write_text(json.dumps(spec))
+        out = tmp_path / f"results-{share}.jsonl"
+        done = subprocess.run(
+            [str(KVPRESS_PYTHON), str(ROOT / "benchmarks" / "kvpress_peer.py"), "--run",
+             str(path), "--results", str(out)],
+            capture_output=True, text=True, check=False,
+        )  # fmt: skip
+        assert done.returncode == 0, done.stderr[-2000:]
+        rows = [json.loads(line) for line in out.read_text().splitlines()]
+        results[share] = {(r["job"], r["method"]): r for r in rows}
+    own, shared = results[False], results[True]
+    # 2 jobs x 2 settings x (press=None + 6 presses x 2 ratios)
+    assert len(own) == len(shared) == 2 * 2 * 13
+    assert all(r.get("prefill_shared", False) is False for r in own.values())
+    assert all(r["prefill_shared"] for r in shared.values())
+    fields = ("answer", "output_tokens", "kv_bytes", "kv_bytes_context", "kv_bytes_effective",
+              "layer_lengths", "press_repr", "ids_match")  # fmt: skip
+    for key, row in own.items():
+        assert {f: shared[key][f] for f in fields} == {f: row[f] for f in fields}, key
+    kvzip = [r for r in own.values() if r["press"] == "kvzip"]
+    assert all(r["kv_bytes_effective"] < r["kv_bytes"] for r in kvzip)  # its masks were set
