@@ -107,7 +107,12 @@ def test_records_are_scored_against_the_reference_and_ranked(peer, samples, tmp_
     rows_read = lb.rows_from_runs([run])
     assert {(r.engine, r.setting, r.label) for r in rows_read} == {
         ("kvpress", "agnostic", "kvpress no press"),
-        ("kvpress", "agnostic", "kvpress SnapKV"),
+        ("kvpress", "agnostic", "kvpress SnapKV (KV 0.733)"),
+    }
+    scored = {r.label: (r.counts, r.scores) for r in rows_read}
+    assert scored == {
+        "kvpress no press": ({task: 1}, {task: 1.0}),
+        "kvpress SnapKV (KV 0.733)": ({task: 1}, {task: 0.0}),
     }
 
 

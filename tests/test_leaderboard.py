@@ -105,8 +105,10 @@ def test_kvpress_settings_share_a_line(tmp_path: Path) -> None:
     run = write_run(tmp_path / "kv", {"engine": "kvpress"}, records)
     rows = lb.rows_from_runs([run])
     assert {r.method for r in rows} == {"kvpress:snapkv,ratio=0.267"}
-    assert {r.label for r in rows} == {"kvpress SnapKV"}
+    assert {r.label for r in rows} == {"kvpress SnapKV (KV 0.733)"}
     assert lb.leaderboard_table(rows, 4096).count("kvpress SnapKV") == 1
+    (aware,) = [r for r in rows if r.setting == "aware"]
+    assert aware.average == 1.0 and set(aware.counts.values()) == {1}
 
 
 def test_a_quiet_bench_replaces_the_sweeps_ttft_ratio(tmp_path: Path) -> None:
@@ -135,7 +137,12 @@ def test_pareto_front() -> None:
         ("speed:lcut=22,anchors=bos,deep=64,selfonly=false", "speedkv", "SPEED-22 deep=64"),
         ("pop:lcut=22", "speedkv", "POP-22"),
         ("snapkv:retain=0.733,window=32", "speedkv", "SnapKV"),
-        ("kvpress:expected_attention,ratio=0.267", "kvpress", "kvpress ExpectedAttention"),
+        (
+            "kvpress:expected_attention,ratio=0.267",
+            "kvpress",
+            "kvpress ExpectedAttention (KV 0.733)",
+        ),
+        ("kvpress:none", "kvpress", "kvpress no press"),
     ],
 )
 def test_method_labels(method: str, engine: str, label: str) -> None:
@@ -167,7 +174,8 @@ def test_labels_tell_apart_the_rows_people_compare():
     assert lb.method_label("speed:lcut=22,anchors=bos,deep=64") == "SPEED-22 deep=64"
     assert lb.method_label("fastkv:retain=0.733") == "FastKV"
     assert lb.method_label("fastkv:tsp_rate=0.733,retain=0.733") == "FastKV TSP 0.733"
-    assert lb.method_label("kvpress:snapkv,ratio=0.267", "kvpress") == "kvpress SnapKV"
+    assert lb.method_label("kvpress:snapkv,ratio=0.267", "kvpress") == "kvpress SnapKV (KV 0.733)"
+    assert lb.method_label("kvpress:snapkv,ratio=0.133", "kvpress") == "kvpress SnapKV (KV 0.867)"
 
 
 def test_the_front_joins_untrained_rows_and_ties_at_one_budget(tmp_path: Path) -> None:

@@ -90,12 +90,13 @@ class Row:
 
 
 def method_label(method: str, engine: str = "speedkv") -> str:
-    """A short name: SPEED-22, SPEED-22 deep=64, SnapKV, kvpress SnapKV, ..."""
+    """A short name: SPEED-22, SPEED-22 deep=64, SnapKV, kvpress SnapKV (KV 0.733), ..."""
     name, _, options = method.partition(":")
     opts = dict(o.split("=", 1) for o in options.split(",") if "=" in o)
-    if engine == "kvpress":  # kvpress:<press>,ratio=...
+    if engine == "kvpress":  # kvpress:<press>,ratio=...: rows at two ratios differ by KV kept
         press = options.split(",")[0]
-        return "kvpress " + KVPRESS_NAMES.get(press, press)
+        kept = f" (KV {1 - float(opts['ratio']):.3f})" if "ratio" in opts else ""
+        return "kvpress " + KVPRESS_NAMES.get(press, press) + kept
     label = NAMES.get(name, name)
     if name == "speed":
         label += f"-{opts.get('lcut', '?')}"
@@ -153,7 +154,8 @@ def rows_from_runs(
             groups.setdefault(key, {})[(r["task"], r["sample"])] = r
     rows = []
     for (engine, adapter, setting, method, length), by_sample in groups.items():
-        records = list(by_sample.values())
+        # kvpress names its settings in the method (setting=...): the row's spec has none
+        records = [{**r, "method": method} for r in by_sample.values()]
         tasks = [t for t in ruler.TASKS if any(r["task"] == t for r in records)]
         summary = summarise(records, [method], tasks)
         per_task = {s["task"]: s for s in summary if s["task"] != ruler.GROUP}
