@@ -121,7 +121,7 @@ QWEN_PLAN = Plan(
     adapter=QWEN_ADAPTER,
     trained=("full", QWEN_SPEED18),
     agnostic=(),
-    presses="snapkv",  # until the SmolLM2 4K board names the best press (--presses overrides)
+    presses="best:1",  # the SmolLM2 4K board's best press (best_presses; --presses overrides)
     samples=10,
 )
 
@@ -139,8 +139,7 @@ PLANS: dict[tuple[str, int], Plan] = {
         more_kv=(SMOLLM2_KV26,),  # kvpress also at SPEED-26's ratio
         shared_prefill=False,  # measured before the sweeps could share one
     ),
-    # the 8K check: SPEED, its adapter and SnapKV; kvpress's SnapKV (the press ours is held
-    # to) and StreamingLLM until the 4K board names its two best presses (--presses overrides)
+    # the 8K check: SPEED, its adapter and SnapKV; the 4K board's two best kvpress presses
     ("smollm2-135m", 8192): Plan(
         kv=SMOLLM2_KV,
         speed=(SPEED22, SPEED22_DEEP64),
@@ -148,7 +147,7 @@ PLANS: dict[tuple[str, int], Plan] = {
         adapter=SMOLLM2_ADAPTER,
         trained=("full", SPEED22),
         agnostic=(),
-        presses="snapkv,streaming_llm",
+        presses="best:2",
         samples=10,  # an 8K prefill costs about twice a 4K one
     ),
     # Qwen2.5-0.5B: a prefill of 4K tokens is about four times SmolLM2's, of 16K about twenty
@@ -156,6 +155,40 @@ PLANS: dict[tuple[str, int], Plan] = {
     ("qwen2.5-coder-0.5b", 4096): QWEN_PLAN,
     ("qwen2.5-coder-0.5b", 16384): dataclasses.replace(QWEN_PLAN, samples=4),
 }
+
+
+def best_presses(work: Path, n: int) -> str:
+    """kvpress's `n` best presses on the SmolLM2 4K board (its `kvpress` sweep under `work`):
+    by RULER average over both settings at SPEED-22's KV ratio. Refuses until every press has
+    every task at the board's samples: a choice from part of the tasks would be another one."""
+    board = PLANS[("smollm2-135m", 4096)]
+    ratio = board.compression_ratios().split(",")[0]
+    dirs = sorted(
+        p.parent for p in (work / "smollm2-135m" / "4096").glob("kvpress-*/records.jsonl")
+    )
+    rows = [
+        r
+        for r in lb.rows_from_runs(dirs)
+        if r.method.startswith("kvpress:") and f"ratio={float(ratio):g}" in r.method
+    ]
+    ready = [r for r in rows if r.average is not None and r.min_samples >= board.samples]
+    names = {r.method.split(":")[1].split(",")[0] for r in rows}
+    expected = set(parse_press_list(board.presses))
+    if not (len(ready) == len(rows) == 2 * len(expected) and names == expected):
+        raise SystemExit(
+            "the SmolLM2 4K board's kvpress sweep is not complete, so its best presses are not "
+            "known yet: run `benchmarks/ruler_leaderboard.py --run kvpress` first, or name the "
+            "presses with --presses"
+        )
+    by_press: dict[str, list[float]] = {}
+    for r in ready:
+        by_press.setdefault(r.method.split(":")[1].split(",")[0], []).append(r.average)
+    ranked = sorted(by_press, key=lambda press: -sum(by_press[press]) / 2)
+    return ",".join(ranked[:n])
+
+
+def parse_press_list(text: str) -> list[str]:
+    return [p.strip() for p in text.split(",") if p.strip()]
 
 
 def sweeps(plan: Plan) -> dict[str, Sweep]:
@@ -356,7 +389,12 @@ def main() -> None:
             ours = [m for s in plan_sweeps.values() if not s.peer for m in s.methods]
             run_ttft(args, work, list(dict.fromkeys(ours)))
         else:
-            run_sweep(args, plan, plan_sweeps[name], work)
+            sweep = plan_sweeps[name]
+            if sweep.name == "kvpress" and plan.presses.startswith("best:"):
+                chosen = best_presses(args.work, int(plan.presses.split(":")[1]))
+                print(f"[kvpress] the 4K board's best presses: {chosen}", file=sys.stderr)
+                sweep = dataclasses.replace(sweep, methods=[chosen])
+            run_sweep(args, plan, sweep, work)
     if args.render or not wanted:
         render(args, work, args.out or Path("benchmarks/ruler") / f"{args.model}-{args.length}")
 

@@ -3,6 +3,7 @@ adapters present, and the commands each sweep would run."""
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import pytest
@@ -75,3 +76,44 @@ def test_later_plans_share_one_prefill_and_the_4k_board_keeps_its_own():
             assert shared is (key != ("smollm2-135m", 4096)), (key, name)
         if "agnostic" in sweeps:  # a context cached before its question is each method's own
             assert "--shared-prefill" not in sweeps["agnostic"].args
+
+
+def kvpress_board(work: Path, scores: dict[str, float], samples: int = 20) -> None:
+    """A finished (or not) SmolLM2 4K kvpress sweep under `work`: every press at both ratios
+    and settings, each task at `samples` samples scoring scores[press]."""
+    records = []
+    for press, score in scores.items():
+        for ratio in (0.267, 0.133):
+            for setting in ("aware", "agnostic"):
+                for task in board.ruler.TASKS:
+                    for sample in range(samples):
+                        records.append({
+                            "method": f"kvpress:{press},ratio={ratio:g},setting={setting}",
+                            "task": task, "length": 4096, "sample": sample,
+                            "prompt_tokens": 3900, "metric": "string_match_all",
+                            "score": score if ratio == 0.267 else 1 - score,
+                            "kv_ratio": 1 - ratio, "ttft_ratio": 1.0, "setting": setting,
+                        })  # fmt: skip
+    run = work / "smollm2-135m" / "4096" / "kvpress-1of1"
+    run.mkdir(parents=True)
+    lines = [json.dumps({"header": {"peer": "kvpress"}})] + [json.dumps(r) for r in records]
+    (run / "records.jsonl").write_text("\n".join(lines) + "\n")
+
+
+def test_later_plans_take_the_4k_boards_best_presses_at_speed22s_kv(tmp_path):
+    presses = board.parse_press_list(board.PLANS[("smollm2-135m", 4096)].presses)
+    scores = dict(zip(presses, (0.1, 0.5, 0.3, 0.4, 0.2)))  # at 0.867 KV the order reverses
+    kvpress_board(tmp_path, scores)
+    assert board.best_presses(tmp_path, 2) == f"{presses[1]},{presses[3]}"
+    assert board.best_presses(tmp_path, 1) == presses[1]
+    assert board.PLANS[("smollm2-135m", 8192)].presses == "best:2"
+
+
+def test_best_presses_wait_for_the_whole_4k_sweep(tmp_path):
+    presses = board.parse_press_list(board.PLANS[("smollm2-135m", 4096)].presses)
+    kvpress_board(tmp_path, dict.fromkeys(presses, 0.5), samples=19)
+    with pytest.raises(SystemExit, match="kvpress sweep is not complete"):
+        board.best_presses(tmp_path, 2)
+    kvpress_board(tmp_path / "other", dict.fromkeys(presses[:-1], 0.5))  # a press missing
+    with pytest.raises(SystemExit, match="kvpress sweep is not complete"):
+        board.best_presses(tmp_path / "other", 2)
