@@ -85,6 +85,12 @@ class Plan:
     # the same answers for about one prefill a sample; SPEED's TTFT then comes from `ttft`
     shared_prefill: bool = True
 
+    def kvpress_settings(self) -> str:
+        """kvpress's --settings: the settings speedkv's rows have in this plan, so every press
+        is compared in a setting SPEED was measured in (a plan without query-agnostic rows
+        spends no prefills on kvpress's)."""
+        return "aware,agnostic" if self.agnostic else "aware"
+
     def compression_ratios(self) -> str:
         """kvpress's --ratios: the share of entries each press removes, one per KV ratio."""
         return ",".join(f"{1 - kv:.3f}" for kv in (self.kv, *self.more_kv))
@@ -234,7 +240,7 @@ def kvpress_command(args, plan: Plan, sweep: Sweep, tasks: list[str], out: Path)
         "--kvpress-python", args.kvpress_python, "--model", args.model,
         "--tasks", ",".join(tasks), "--length", str(args.length),
         "--samples", str(args.samples), "--presses", ",".join(sweep.methods),
-        "--ratios", plan.compression_ratios(), "--settings", "aware,agnostic",
+        "--ratios", plan.compression_ratios(), "--settings", plan.kvpress_settings(),
         "--threads", "1", "--out", str(out), "--resume",
     ]  # fmt: skip
 

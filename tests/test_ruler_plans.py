@@ -117,3 +117,15 @@ def test_best_presses_wait_for_the_whole_4k_sweep(tmp_path):
     kvpress_board(tmp_path / "other", dict.fromkeys(presses[:-1], 0.5))  # a press missing
     with pytest.raises(SystemExit, match="kvpress sweep is not complete"):
         board.best_presses(tmp_path / "other", 2)
+
+
+def test_kvpress_runs_in_the_settings_speedkvs_rows_have(tmp_path):
+    class Args:
+        kvpress_python, model, length, samples = "py", "m", 4096, 2
+
+    for key, plan in board.PLANS.items():
+        sweep = board.sweeps(plan)["kvpress"]
+        command = board.kvpress_command(Args, plan, sweep, ["ruler/vt"], tmp_path)
+        settings = command[command.index("--settings") + 1]
+        assert settings == ("aware,agnostic" if plan.agnostic else "aware"), key
+    assert board.PLANS[("smollm2-135m", 4096)].kvpress_settings() == "aware,agnostic"
