@@ -340,7 +340,7 @@ def scorer_caches(model, context_ids, runs: list) -> tuple[dict, dict, dict]:
     does with the result changes: the compressed keys and values are kept aside instead of
     written to the cache.
     Returns per run key ((press, ratio), or NONE): the cache as per-layer (keys, values), the
-    seconds of its prefill and compression, and the press."""
+    seconds of its prefill and compression, and the press's repr."""
     import contextlib
 
     import torch
@@ -373,7 +373,7 @@ def scorer_caches(model, context_ids, runs: list) -> tuple[dict, dict, dict]:
         prefill = time.perf_counter() - start - sum(spent.values())
     layers[NONE] = [(layer.keys, layer.values) for layer in trunk.layers]
     seconds = {key: prefill + spent.get(key, 0.0) for key in layers}
-    return layers, seconds, {**presses, NONE: None}
+    return layers, seconds, {key: repr(press) for key, press in presses.items()}
 
 
 def kvzip_caches(model, context_ids, runs: list) -> tuple[dict, dict, dict, object]:
@@ -383,7 +383,7 @@ def kvzip_caches(model, context_ids, runs: list) -> tuple[dict, dict, dict, obje
     own context manager runs the prefill and the scoring; compress_post is held back and run
     per ratio by the returned `arm(key)`, which sets the masks the attention patch reads (none
     for press=None) and returns its seconds.
-    Returns what scorer_caches does, and `arm`."""
+    Returns what scorer_caches does (a ratio's repr once it is armed), and `arm`."""
     import torch
     from transformers import DynamicCache
 
@@ -440,8 +440,8 @@ def answer_sharing_prefill(pipe, probe: Probe, job: dict, setting: str, runs: li
     if any(p == "kvzip" for p, _ in runs):
         layers, seconds, reprs, arm = kvzip_caches(pipe.model, inputs["context_ids"], runs)
     else:
-        layers, seconds, presses = scorer_caches(pipe.model, inputs["context_ids"], runs)
-        reprs, arm = {key: repr(press) for key, press in presses.items()}, None
+        layers, seconds, reprs = scorer_caches(pipe.model, inputs["context_ids"], runs)
+        arm = None
     context_length = inputs["context_ids"].shape[1]
     ids = (probe.context_ids, probe.question_ids)
     rows = []
