@@ -353,12 +353,14 @@ class EvalRunner:
 
     def _shared_prefixes(
         self, prompt: EncodedPrompt, methods: list[str]
-    ) -> dict[str, CachedPrefix]:
+    ) -> tuple[dict[str, CachedPrefix], float]:
         """With shared_prefill, the cache each method that can take one starts from: full's
-        own prompt cache, and SPEED's taken from it; one full prefill for all of them."""
+        own prompt cache, and SPEED's taken from it; one full prefill for all of them. Also
+        each taker's share of the seconds that took, which its record's `seconds` counts."""
         takers = [m for m in methods if m == FULL or self._takes_full(m)]
         if not self.config.shared_prefill or not takers:
-            return {}
+            return {}, 0.0
+        t0 = time.perf_counter()
         full = self.engine.prefill(prompt.ids, FULL)
         out = {}
         for method in takers:
@@ -368,7 +370,7 @@ class EvalRunner:
                 if method == FULL
                 else policy.prefix_from_full(full, prompt.header_tokens, prompt.turn_tokens)
             )
-        return out
+        return out, (time.perf_counter() - t0) / len(out)
 
     def _takes_full(self, method: str) -> bool:
         policy = self.policies[method]
@@ -380,9 +382,9 @@ class EvalRunner:
             self.model.tokenizer, unit.task, unit.length, unit.index, cfg.seed, cfg.depths,
             cfg.split, cfg.question_turn,
         )  # fmt: skip
-        shared = self._shared_prefixes(sample.prompt, methods)
+        shared, share_s = self._shared_prefixes(sample.prompt, methods)
         for method in methods:
-            t0 = time.perf_counter()
+            t0 = time.perf_counter() - (share_s if method in shared else 0.0)
             g = self._generate(method, sample.prompt, max_new_tokens(unit.task), shared.get(method))
             found = needles.found_values(g.text, sample.expected)
             yield {
@@ -534,9 +536,11 @@ class EvalRunner:
         )
         # with shared_prefill (question in view), full and SPEED start from one full prefill of
         # the whole prompt; SPEED's own prefill is then not timed, so its TTFT is not recorded
-        shared = {} if context is not None else self._shared_prefixes(sample.prompt, methods)
+        shared, share_s = (
+            ({}, 0.0) if context is not None else self._shared_prefixes(sample.prompt, methods)
+        )
         for method in methods:
-            t0 = time.perf_counter()
+            t0 = time.perf_counter() - (share_s if method in shared else 0.0)
             cached = (
                 shared.get(method)
                 if context is None
