@@ -373,6 +373,8 @@ def scorer_caches(model, context_ids, runs: list) -> tuple[dict, dict, dict]:
         with torch.no_grad():  # what the pipeline's forward runs under
             model.model(input_ids=context_ids, past_key_values=trunk)
         prefill = time.perf_counter() - start - sum(spent.values())
+    for press in presses.values():
+        del press.forward_hook  # a press <-> hook cycle would keep every cache until a full GC
     layers[NONE] = [(layer.keys, layer.values) for layer in trunk.layers]
     seconds = {key: prefill + spent.get(key, 0.0) for key in layers}
     return layers, seconds, {key: repr(press) for key, press in presses.items()}
@@ -403,6 +405,7 @@ def kvzip_caches(model, context_ids, runs: list) -> tuple[dict, dict, dict, obje
             layers = [(layer.keys, layer.values) for layer in trunk.layers]  # before the replay
             start = time.perf_counter()
         scoring = time.perf_counter() - start  # on leaving: the replay, then compress_post
+    del press.compress_post  # the class's again (and no press <-> lambda cycle)
     reprs = {}
 
     def arm(key) -> float:
