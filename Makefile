@@ -270,8 +270,8 @@ ruler-served: install
 # The RULER leaderboard at 4K on SmolLM2 (benchmarks/ruler/smollm2-135m-4096/, docs/ruler.md):
 # our methods untrained and with the shipped adapter, both settings, kvpress's presses on the
 # same samples, then a quiet TTFT benchmark. Every sweep resumes where it stopped. speedkv's
-# sweeps took about 12 h of samples on 2 cores; kvpress's pipeline takes 13-29 s a sample and
-# KVzip about 85 s, so the whole plan takes a few days of CPU (docs/ruler.md has the table).
+# sweeps took about 12 h of samples on 2 cores; kvpress's presses (one prefill shared by all
+# of a sample's presses) and KVzip take about 12 h more (docs/ruler.md has the table).
 # RULER_SWEEPS=base runs one sweep.
 RULER_SWEEPS ?= all
 .PHONY: ruler-leaderboard
