@@ -310,64 +310,40 @@ def _short_spec(method: str) -> str:
 
 # -- the plot ----------------------------------------------------------------------------------
 def plot_pareto(rows: list[Row], length: int, path: Path, title: str = "") -> Path | None:
-    """RULER average against KV ratio and against TTFT ratio, a panel each, per setting; the
-    Pareto front joined, SPEED's points as stars, trained rows filled darker."""
+    """RULER average against KV ratio and against TTFT ratio (columns), one row of panels per
+    setting; each panel joins its untrained Pareto front and names the points a reader looks
+    for (the front, SPEED, full attention, the adapter rows); the others are left to the
+    tables, so dozens of presses at one budget stay readable."""
     mine = [r for r in rows if r.length == length and r.average is not None]
     if not mine:
         return None
     from speedkv.evals.report import _pyplot
 
     most = max(r.min_samples for r in mine)  # rows measured on fewer are marked provisional
+    settings = [s for s in (AWARE, AGNOSTIC) if any(r.setting == s for r in mine)]
     plt = _pyplot()
-    fig, axes = plt.subplots(1, 2, figsize=(12, 5.2), sharey=True)
-    for ax, (cost, xlabel) in zip(
-        axes,
-        (
-            ("kv_ratio", "KV cache at the first token, x full"),
-            ("ttft_ratio", "TTFT, x full (each engine against its own full attention)"),
-        ),
-    ):
-        labels: list[tuple[float, float, str]] = []
-        for setting, colour in ((AWARE, "tab:blue"), (AGNOSTIC, "tab:orange")):
+    fig, grid = plt.subplots(
+        len(settings), 2, figsize=(12, 4.8 * len(settings)), sharey=True, squeeze=False
+    )
+    costs = (
+        ("kv_ratio", "KV cache at the first token, x full"),
+        ("ttft_ratio", "TTFT, x full (each engine against its own full attention)"),
+    )
+    for axes, setting in zip(grid, settings):
+        for ax, (cost, xlabel) in zip(axes, costs):
             points = [r for r in mine if r.setting == setting and getattr(r, cost) is not None]
-            if not points:
-                continue
-            xy = [(getattr(r, cost), 100 * r.average) for r in points]
-            front = untrained_front(points, cost)
-            ax.plot(
-                [xy[i][0] for i in front],
-                [xy[i][1] for i in front],
-                "-",
-                color=colour,
-                alpha=0.5,
-                label=f"Pareto front, {SETTING_LABELS[setting]}",
-            )
-            for r, (x, y) in zip(points, xy):
-                star = r.method.startswith("speed")
-                ax.scatter(
-                    x,
-                    y,
-                    s=150 if star else 36,
-                    marker="*" if star else ("s" if r.engine == "kvpress" else "o"),
-                    color=colour,
-                    edgecolors="black" if r.adapter else colour,
-                    linewidths=1.2 if r.adapter else 0.5,
-                    zorder=3,
-                )
-                label = r.label if r.min_samples == most else f"{r.label} ({r.min_samples}/task)"
-                labels.append((x, y, label))
-        ax.set_xlabel(xlabel)
-        costs = [getattr(r, cost) for r in mine]
-        if max(costs) > 4 * min(costs):  # one slow outlier would squash every other point
-            ax.set_xscale("log")
-        ax.grid(alpha=0.3)
-        _place_labels(ax, labels)
-    axes[0].set_ylabel(f"RULER average at {length} tokens, %")
-    axes[0].legend(fontsize=7, loc="lower right")
+            _pareto_panel(ax, points, cost, most)
+            ax.set_xlabel(xlabel)
+            values = [getattr(r, cost) for r in points]
+            if values and max(values) > 4 * min(values):  # one slow outlier squashes the rest
+                ax.set_xscale("log")
+            ax.set_title(SETTING_LABELS[setting], fontsize=9)
+        axes[0].set_ylabel(f"RULER average at {length} tokens, %")
+    grid[0][0].legend(fontsize=7, loc="center left")
     fig.suptitle(
         (title + "\n" if title else "")
-        + "stars: SPEED; squares: kvpress presses; black edge: with a SPEED-aware adapter "
-        "(not on the fronts, which join untrained rows)",
+        + "black edge: with a SPEED-aware adapter (off the front, which joins untrained rows); "
+        "unnamed points are in the tables",
         fontsize=9,
     )
     fig.tight_layout()
@@ -375,6 +351,46 @@ def plot_pareto(rows: list[Row], length: int, path: Path, title: str = "") -> Pa
     fig.savefig(path, dpi=120)
     plt.close(fig)
     return path
+
+
+# marker, colour and legend entry of each kind of row
+_KINDS = {
+    "speed": ("*", "tab:red", "SPEED"),
+    "speedkv": ("o", "tab:blue", "speedkv's other methods"),
+    "kvpress": ("s", "tab:green", "kvpress presses"),
+}
+
+
+def _kind(row: Row) -> str:
+    if row.engine == "kvpress":
+        return "kvpress"
+    return "speed" if row.method.startswith("speed") else "speedkv"
+
+
+def _pareto_panel(ax, points: list[Row], cost: str, most: int) -> None:
+    if not points:
+        return
+    xy = [(getattr(r, cost), 100 * r.average) for r in points]
+    front = untrained_front(points, cost)
+    ax.plot([xy[i][0] for i in front], [xy[i][1] for i in front], "-", color="grey",
+            alpha=0.6, label="Pareto front (untrained rows)")  # fmt: skip
+    seen: set[str] = set()
+    labels: list[tuple[float, float, str]] = []
+    for i, (r, (x, y)) in enumerate(zip(points, xy)):
+        kind = _kind(r)
+        marker, colour, legend = _KINDS[kind]
+        ax.scatter(
+            x, y, s=150 if kind == "speed" else 36, marker=marker, color=colour,
+            edgecolors="black" if r.adapter else colour, linewidths=1.2 if r.adapter else 0.5,
+            zorder=3, label=None if kind in seen else legend,
+        )  # fmt: skip
+        seen.add(kind)
+        named = i in front or kind == "speed" or r.adapter or r.method in ("full", "kvpress:none")
+        if named:
+            label = r.label if r.min_samples == most else f"{r.label} ({r.min_samples}/task)"
+            labels.append((x, y, label))
+    ax.grid(alpha=0.3)
+    _place_labels(ax, labels)
 
 
 def _place_labels(ax, labels: list[tuple[float, float, str]]) -> None:
