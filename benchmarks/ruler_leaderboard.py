@@ -178,8 +178,8 @@ def best_presses(work: Path, n: int) -> str:
         if r.method.startswith("kvpress:") and f"ratio={float(ratio):g}" in r.method
     ]
     ready = [r for r in rows if r.average is not None and r.min_samples >= board.samples]
-    names = {r.method.split(":")[1].split(",")[0] for r in rows}
-    expected = set(parse_press_list(board.presses))
+    names = {press_of(r) for r in rows}
+    expected = set(comma_list(board.presses))
     if not (len(ready) == len(rows) == 2 * len(expected) and names == expected):
         raise SystemExit(
             "the SmolLM2 4K board's kvpress sweep is not complete, so its best presses are not "
@@ -188,13 +188,18 @@ def best_presses(work: Path, n: int) -> str:
         )
     by_press: dict[str, list[float]] = {}
     for r in ready:
-        by_press.setdefault(r.method.split(":")[1].split(",")[0], []).append(r.average)
+        by_press.setdefault(press_of(r), []).append(r.average)
     ranked = sorted(by_press, key=lambda press: -sum(by_press[press]) / 2)
     return ",".join(ranked[:n])
 
 
-def parse_press_list(text: str) -> list[str]:
-    return [p.strip() for p in text.split(",") if p.strip()]
+def press_of(row: lb.Row) -> str:
+    """The press of a kvpress row (`kvpress:<press>,ratio=...`)."""
+    return row.method.split(":")[1].split(",")[0]
+
+
+def comma_list(text: str) -> list[str]:
+    return [item.strip() for item in text.split(",") if item.strip()]
 
 
 def sweeps(plan: Plan) -> dict[str, Sweep]:
@@ -384,7 +389,7 @@ def main() -> None:
         plan = dataclasses.replace(plan, presses=args.presses)
     args.samples = args.samples or plan.samples
     plan_sweeps = sweeps(plan)
-    wanted = [s.strip() for s in args.run.split(",") if s.strip()]
+    wanted = comma_list(args.run)
     if wanted == ["all"]:
         wanted = [*plan_sweeps, "ttft"]
     unknown = [w for w in wanted if w not in plan_sweeps and w != "ttft"]

@@ -101,7 +101,7 @@ def kvpress_board(work: Path, scores: dict[str, float], samples: int = 20) -> No
 
 
 def test_later_plans_take_the_4k_boards_best_presses_at_speed22s_kv(tmp_path):
-    presses = board.parse_press_list(board.PLANS[("smollm2-135m", 4096)].presses)
+    presses = board.comma_list(board.PLANS[("smollm2-135m", 4096)].presses)
     scores = dict(zip(presses, (0.1, 0.5, 0.3, 0.4, 0.2)))  # at 0.867 KV the order reverses
     kvpress_board(tmp_path, scores)
     assert board.best_presses(tmp_path, 2) == f"{presses[1]},{presses[3]}"
@@ -110,7 +110,7 @@ def test_later_plans_take_the_4k_boards_best_presses_at_speed22s_kv(tmp_path):
 
 
 def test_best_presses_wait_for_the_whole_4k_sweep(tmp_path):
-    presses = board.parse_press_list(board.PLANS[("smollm2-135m", 4096)].presses)
+    presses = board.comma_list(board.PLANS[("smollm2-135m", 4096)].presses)
     kvpress_board(tmp_path, dict.fromkeys(presses, 0.5), samples=19)
     with pytest.raises(SystemExit, match="kvpress sweep is not complete"):
         board.best_presses(tmp_path, 2)
