@@ -534,11 +534,9 @@ class EvalRunner:
             if self.config.query_agnostic
             else None
         )
-        # with shared_prefill (question in view), full and SPEED start from one full prefill of
-        # the whole prompt; SPEED's own prefill is then not timed, so its TTFT is not recorded
-        shared, share_s = (
-            ({}, 0.0) if context is not None else self._shared_prefixes(sample.prompt, methods)
-        )
+        # with shared_prefill (refused with query_agnostic), full and SPEED start from one full
+        # prefill of the whole prompt; SPEED's own prefill is then not timed: no TTFT recorded
+        shared, share_s = self._shared_prefixes(sample.prompt, methods)
         for method in methods:
             t0 = time.perf_counter() - (share_s if method in shared else 0.0)
             cached = (
