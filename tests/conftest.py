@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import importlib.util
 from collections.abc import Iterator
+from pathlib import Path
 
 import pytest
 import torch
@@ -11,6 +12,8 @@ from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCau
 
 from speedkv.core.engine import Engine
 from speedkv.hf.loading import LoadedModel
+
+from helpers import RULER_SAMPLES, ruler_length
 
 # the vLLM backend's tests need vLLM, which lives in its own venv (make vllm-venv)
 collect_ignore = [] if importlib.util.find_spec("vllm") else ["vllm_backend"]
@@ -93,6 +96,19 @@ def smol_tokenizer():
     if parts is None:
         pytest.skip("the embedded SmolLM2 is not installed")
     return AutoTokenizer.from_pretrained(convert_gguf(parts[0], progress=False))
+
+
+@pytest.fixture(scope="session")
+def ruler_root(tmp_path_factory, smol_tokenizer) -> Path:
+    """A RULER data directory holding every task's samples at `ruler_length`, seed 0: made once
+    a session, as each task is a subprocess (test files that use it skip themselves where the
+    speedkv[ruler] extra is missing)."""
+    from speedkv.evals import ruler
+
+    root = tmp_path_factory.mktemp("ruler")
+    wanted = [(task, ruler_length(task), RULER_SAMPLES) for task in ruler.TASKS]
+    ruler.ensure_samples(smol_tokenizer, wanted, 0, root)
+    return root
 
 
 @pytest.fixture(scope="session")

@@ -114,3 +114,13 @@ def load_benchmark(name: str) -> ModuleType:
     sys.modules[spec.name] = module  # dataclasses look their module up while it executes
     spec.loader.exec_module(module)
     return module
+
+
+RULER_SAMPLES = 2  # per task in the tests' shared RULER samples (conftest's `ruler_root`)
+
+
+def ruler_length(task: str) -> int:
+    """The length the tests generate a RULER task at: 1024 tokens, or the task's least."""
+    from speedkv.evals import ruler
+
+    return max(1024, ruler.min_length(task))

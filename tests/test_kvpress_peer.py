@@ -14,7 +14,7 @@ import pytest
 from speedkv.evals import leaderboard as lb
 from speedkv.evals import ruler
 
-from helpers import load_benchmark
+from helpers import RULER_SAMPLES, load_benchmark, ruler_length
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -30,12 +30,13 @@ def peer():
 
 
 @pytest.fixture(scope="module")
-def samples(smol_tokenizer, tmp_path_factory):
-    root = tmp_path_factory.mktemp("ruler")
-    tasks = ["ruler/niah_single_1", "ruler/vt"]
-    ruler.ensure_samples(smol_tokenizer, [(t, 1024, 2) for t in tasks], 0, root)
-    loaded = {t: ruler.load_samples(smol_tokenizer, t, 1024, 0, 2, root) for t in tasks}
-    return [(t, i, loaded[t][i]) for i in range(2) for t in tasks]
+def samples(smol_tokenizer, ruler_root):
+    tasks = ["ruler/niah_single_1", "ruler/vt"]  # at 1024 tokens, 2 samples each (conftest)
+    loaded = {
+        t: ruler.load_samples(smol_tokenizer, t, ruler_length(t), 0, RULER_SAMPLES, ruler_root)
+        for t in tasks
+    }
+    return [(t, i, loaded[t][i]) for i in range(RULER_SAMPLES) for t in tasks]
 
 
 def test_jobs_carry_the_prompt_split_at_its_question(peer, samples):

@@ -20,7 +20,7 @@ from speedkv.evals.runner import EvalConfig, EvalRunner, with_ruler_tasks
 from speedkv.evals.tasks import parse_n, parse_tasks
 from speedkv.hf.loading import tokenizer_fingerprint
 
-from helpers import run_cli
+from helpers import RULER_SAMPLES, ruler_length, run_cli
 
 pytestmark = pytest.mark.skipif(
     any(importlib.util.find_spec(m) is None for m in ("long_context_eval", "nltk", "punkt")),
@@ -28,20 +28,14 @@ pytestmark = pytest.mark.skipif(
 )
 
 SHORT = 1024  # every synthetic task generates here; QA needs 2048 (ruler.MIN_LENGTH)
-N = 2
-
-
-def length_of(task: str) -> int:
-    return max(SHORT, ruler.min_length(task))
+N = RULER_SAMPLES
+length_of = ruler_length
 
 
 @pytest.fixture(scope="module")
-def root(tmp_path_factory, smol_tokenizer) -> Path:
-    """All 13 tasks, 2 samples each, generated once (in parallel) for this module."""
-    root = tmp_path_factory.mktemp("ruler")
-    wanted = [(task, length_of(task), N) for task in ruler.TASKS]
-    ruler.ensure_samples(smol_tokenizer, wanted, 0, root)
-    return root
+def root(ruler_root) -> Path:
+    """All 13 tasks, 2 samples each at `length_of`, generated once a session (conftest)."""
+    return ruler_root
 
 
 def samples(tokenizer, root: Path, task: str, seed: int = 0) -> list[ruler.RulerSample]:

@@ -13,22 +13,22 @@ from speedkv.evals import ruler
 from speedkv.evals.report import summarise
 from speedkv.evals.runner import EvalConfig, EvalRunner
 
+from helpers import RULER_SAMPLES, ruler_length
+
 pytestmark = pytest.mark.skipif(
     any(importlib.util.find_spec(m) is None for m in ("long_context_eval", "nltk", "punkt")),
     reason="the speedkv[ruler] extra is not installed",
 )
 
-LENGTH = {"ruler/niah_single_1": 1024, "ruler/vt": 1024, "ruler/qa_1": 2048}
 OPENING = {"ruler/niah_single_1": "\nWhat", "ruler/vt": "\nQuestion:", "ruler/qa_1": "\n\nAnswer"}
-N = 2
+LENGTH = {task: ruler_length(task) for task in OPENING}  # 1024, 1024, 2048
+N = RULER_SAMPLES
 SPEED = "speed:lcut=2,anchors=bos,deep=1"
 
 
 @pytest.fixture(scope="module")
-def root(tmp_path_factory, smol_tokenizer) -> Path:
-    root = tmp_path_factory.mktemp("ruler")
-    ruler.ensure_samples(smol_tokenizer, [(t, n, N) for t, n in LENGTH.items()], 0, root)
-    return root
+def root(ruler_root) -> Path:
+    return ruler_root  # every task at `ruler_length`, N samples, seed 0 (conftest)
 
 
 @pytest.mark.parametrize("task", list(LENGTH))

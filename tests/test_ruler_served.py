@@ -28,6 +28,8 @@ from speedkv.evals.runner import EvalConfig, EvalRunner
 from speedkv.hf.text import EncodedPrompt
 from speedkv.server import ServerConfig, create_app
 
+from helpers import RULER_SAMPLES, ruler_length
+
 NEEDED = ("long_context_eval", "nltk", "punkt", "pandas", "tiktoken", "openai", "tenacity")
 pytestmark = pytest.mark.skipif(
     any(importlib.util.find_spec(m) is None for m in NEEDED),
@@ -35,17 +37,15 @@ pytestmark = pytest.mark.skipif(
 )
 
 TASK = "ruler/niah_single_1"
-LENGTH = 1024
-N = 2
+LENGTH = ruler_length(TASK)
+N = RULER_SAMPLES
 SPEED = "speed:lcut=2,anchors=bos,deep=1"
 MODEL = "tiny-words"
 
 
 @pytest.fixture(scope="module")
-def root(tmp_path_factory, smol_tokenizer) -> Path:
-    root = tmp_path_factory.mktemp("ruler")
-    ruler.ensure_samples(smol_tokenizer, [(TASK, LENGTH, N)], 0, root)
-    return root
+def root(ruler_root) -> Path:
+    return ruler_root  # TASK at LENGTH, N samples, seed 0 among them (conftest)
 
 
 @pytest.fixture(scope="module")

@@ -11,7 +11,7 @@ import sys
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
-PROMPT = 2000  # 16 blocks of 128 with the 8 new tokens: no request grows while decoding
+PROMPT = 1000  # 8 blocks of 128 with the 8 new tokens: no request grows while decoding
 
 
 def test_speed15_fits_twice_the_requests_of_stock(tmp_path):
@@ -19,7 +19,7 @@ def test_speed15_fits_twice_the_requests_of_stock(tmp_path):
     subprocess.run(
         [sys.executable, str(ROOT / "benchmarks" / "vllm_capacity.py"),
          "--methods", "full;speed:lcut=15,anchors=bos,deep=1", "--prompt-tokens", str(PROMPT),
-         "--requests", "10", "--new-tokens", "8", "--pool-stock-blocks", "80",
+         "--requests", "10", "--new-tokens", "8", "--pool-stock-blocks", "40",
          "--out", str(out)],
         check=True, capture_output=True, text=True,
     )  # fmt: skip
@@ -34,11 +34,11 @@ def test_speed15_fits_twice_the_requests_of_stock(tmp_path):
         (15, "FullAttentionSpec"), (15, "SpeedUpperSpec")]  # fmt: skip
     assert stock["decode_blocks_per_group"] == [prompt_blocks]
     assert compact["decode_blocks_per_group"] == [prompt_blocks, 1]
-    # the same bytes: 80 blocks of 30 layers, or 160 of 15 (vLLM keeps one empty); a request
-    # takes 16, or 16 + 1 of half the size: 4 requests at once, or 9
+    # the same bytes: 40 blocks of 30 layers, or 80 of 15 (vLLM keeps one empty); a request
+    # takes 8, or 8 + 1 of half the size: 4 requests at once, or 8
     assert compact["num_blocks"] == 2 * stock["num_blocks"]
-    assert stock["max_running"] == uncompacted["max_running"] == 79 // 16
-    assert compact["max_running"] == 159 // 17
+    assert stock["max_running"] == uncompacted["max_running"] == 39 // 8
+    assert compact["max_running"] == 79 // 9
     assert compact["max_running"] >= 1.8 * stock["max_running"]
     assert compact["preemptions"] == 0 == stock["preemptions"]
     assert compact["tokens"] == uncompacted["tokens"]
