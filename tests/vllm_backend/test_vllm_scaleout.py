@@ -42,12 +42,15 @@ LONG = pytest.mark.skipif(not os.environ.get("SPEEDKV_LONG_TESTS"),
 
 
 def test_smollm2_with_three_tensor_parallel_ranks(directory, prompts, reference):
-    """9 query and 3 KV heads over 3 ranks: every rank runs the same full-depth rows."""
+    """9 query and 3 KV heads over 3 ranks: every rank runs the same full-depth rows. The
+    mixed batch but its 3000-token prompt keeps the suite's time in bounds (SPEEDKV_LONG_TESTS
+    runs the whole batch, compiled)."""
     method = "speed:lcut=22,anchors=bos,deep=4"
-    run = run_vllm(directory, prompts, NEW, **engine_args(method, directory),
+    batch = prompts[:-1]
+    run = run_vllm(directory, batch, NEW, **engine_args(method, directory),
                    tensor_parallel_size=3)  # fmt: skip
-    assert run.tokens == reference(method, prompts)
-    assert run.rank_rows == [upper_rows(prompts, 1, 4, NEW)] * 3
+    assert run.tokens == reference(method, batch)
+    assert run.rank_rows == [upper_rows(batch, 1, 4, NEW)] * 3
 
 
 @pytest.mark.parametrize(

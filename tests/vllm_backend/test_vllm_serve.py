@@ -35,6 +35,9 @@ def server():
         sys.executable, "-m", "speedkv.cli.app", "serve", "--backend", "vllm",
         "--method", "speed:lcut=22,anchors=bos,deep=1", "--adapter", str(ADAPTER),
         "--dtype", "bfloat16", "--port", str(port),
+        # eager: compiling takes most of a start, and the compiled model has its own tests
+        # (test_vllm_compiled.py, the pipeline-parallel ones); what is tested here is the server
+        "--vllm-arg=--enforce-eager",
     ]  # fmt: skip
     env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1"}
     env.pop("VLLM_ENABLE_V1_MULTIPROCESSING", None)  # the server as users run it
