@@ -240,6 +240,29 @@ def test_qa_below_its_shortest_length_is_refused(word_model, tmp_path):
         EvalRunner(word_model, config, tmp_path)
 
 
+def test_a_prompt_and_answer_over_the_context_is_refused_with_a_length_that_fits(
+    word_model, root, tmp_path
+):
+    """fwe fits its text alone to the length, so at the model's whole context (1024 here) its
+    longest prompt, with the chat template and 50 new tokens, does not fit: refused before any
+    work, naming each such task and a length that leaves room (vt's prompts fit)."""
+    tasks = ["ruler/fwe", "ruler/vt"]
+    config = EvalConfig(
+        model="tiny-words", methods=["full"], tasks=tasks, lengths=[SHORT],
+        n=dict.fromkeys(tasks, N), ruler_data=str(root),
+    )  # fmt: skip
+    with pytest.raises(UserError) as refused:
+        EvalRunner(word_model, config, tmp_path).run(progress=False, plots=False)
+    message = str(refused.value)
+    assert re.search(rf"ruler/fwe at {SHORT} \((\d+) tokens with its answer\)", message)
+    assert "ruler/vt" not in message
+    assert f"--lengths {SHORT - ruler.longest_answer()}" in message
+    written = [
+        line for f in tmp_path.glob("**/records.jsonl") for line in f.read_text().splitlines()
+    ]
+    assert not [line for line in written if '"method"' in line]  # no sample was answered
+
+
 # -- end to end -------------------------------------------------------------------------------
 def test_eval_runs_ruler_resumes_and_reports(word_model, root, tmp_path, monkeypatch, capsys):
     """The CLI on a tiny model with SmolLM2's tokenizer and chat template (the real model's

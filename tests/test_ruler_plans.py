@@ -31,6 +31,21 @@ def test_every_plan_names_valid_rows_and_a_shipped_adapter(key):
     assert ("agnostic" in sweeps) == bool(plan.agnostic)
 
 
+@pytest.mark.parametrize("key", list(board.PLANS), ids=lambda k: f"{k[0]}-{k[1]}")
+def test_every_plan_leaves_room_for_rulers_longest_answer(key):
+    """RULER fits its text to the length (fwe all of it, answer aside), so a plan's length and
+    RULER's longest answer must fit the model's context with room for the chat template, or the
+    plan's sweeps stop at their samples' check (SmolLM2's 8K plan: 8192 - 128)."""
+    from speedkv.evals import ruler
+    from speedkv.hf.loading import EMBEDDED, model_directory
+
+    name, length = key
+    if EMBEDDED[name].part_paths() is None:
+        pytest.skip(f"{name} is not installed")
+    config = json.loads((model_directory(name, progress=False) / "config.json").read_text())
+    assert length + ruler.longest_answer() <= config["max_position_embeddings"]
+
+
 def test_the_4k_board_runs_every_method_at_speed22s_kv_ratio(tmp_path):
     plan = board.PLANS[("smollm2-135m", 4096)]
     names = {parse_spec(m).name for m in board.sweeps(plan)["base"].methods}
@@ -106,7 +121,7 @@ def test_later_plans_take_the_4k_boards_best_presses_at_speed22s_kv(tmp_path):
     kvpress_board(tmp_path, scores)
     assert board.best_presses(tmp_path, 2) == f"{presses[1]},{presses[3]}"
     assert board.best_presses(tmp_path, 1) == presses[1]
-    assert board.PLANS[("smollm2-135m", 8192)].presses == "best:2"
+    assert board.PLANS[board.SMOLLM2_8K].presses == "best:2"
 
 
 def test_best_presses_wait_for_the_whole_4k_sweep(tmp_path):

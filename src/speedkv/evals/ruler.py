@@ -116,6 +116,14 @@ def expand(tasks: list[str]) -> list[str]:
     return list(dict.fromkeys(out))
 
 
+def longest_answer() -> int:
+    """RULER's largest answer budget over its tasks (the niah tasks' 128 tokens). A length this
+    far under a model's context leaves room for every task's answer and a chat template: each
+    task fits its text to the length less its own budget, except fwe, which fits its text alone
+    and answers in 50 (so a template of up to 78 tokens fits)."""
+    return max(task_spec(task).tokens_to_generate for task in TASKS)
+
+
 def min_length(task: str) -> int:
     return MIN_LENGTH.get(task_spec(task).kind, MIN_LENGTH_OTHER)
 

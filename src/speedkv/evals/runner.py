@@ -510,16 +510,23 @@ class EvalRunner:
         root = ruler.data_root(cfg.ruler_data)
         ruler.ensure_samples(tok, [(t, n, cfg.n[t]) for t, n in wanted], cfg.seed, root, log)
         context = self.model.shape.max_positions
+        too_long = []
         for task, length in wanted:
             samples = ruler.load_samples(tok, task, length, cfg.seed, cfg.n[task], root)
             longest = max(len(s.prompt.ids) for s in samples) + max_new_tokens(task)
             if longest > context:
-                raise UserError(
-                    f"length {length} leaves no room for task {task}: its longest prompt with "
-                    f"the chat template and {max_new_tokens(task)} new tokens takes {longest} "
-                    f"tokens, over the model's context of {context}"
-                )
+                too_long.append(f"{task} at {length} ({longest} tokens with its answer)")
             self._ruler_samples[(task, length)] = samples
+        if too_long:
+            # RULER fits its text to the length (fwe without its answer); the chat template
+            # comes on top
+            margin = ruler.longest_answer()
+            raise UserError(
+                f"the model's context of {context} tokens has no room for the longest prompt, "
+                f"with the chat template and its answer, of {', '.join(too_long)}. RULER's "
+                f"length counts its text alone: a length {margin} tokens under the context "
+                f"(--lengths {context - margin}) leaves room for both"
+            )
 
     def _ruler(self, unit: Unit, methods: list[str], records: list[dict]) -> Iterator[dict]:
         """RULER's sample `unit.index`: every method answers the same saved prompt, scored with
