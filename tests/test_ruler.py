@@ -20,14 +20,14 @@ from speedkv.evals.runner import EvalConfig, EvalRunner, with_ruler_tasks
 from speedkv.evals.tasks import parse_n, parse_tasks
 from speedkv.hf.loading import tokenizer_fingerprint
 
-from helpers import RULER_SAMPLES, ruler_length, run_cli
+from helpers import RULER_SAMPLES, RULER_SHORT, ruler_length, run_cli
 
 pytestmark = pytest.mark.skipif(
     any(importlib.util.find_spec(m) is None for m in ("long_context_eval", "nltk", "punkt")),
     reason="the speedkv[ruler] extra is not installed",
 )
 
-SHORT = 1024  # every synthetic task generates here; QA needs 2048 (ruler.MIN_LENGTH)
+SHORT = RULER_SHORT  # every synthetic task generates here; QA needs 2048
 N = RULER_SAMPLES
 length_of = ruler_length
 
