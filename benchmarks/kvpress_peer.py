@@ -551,7 +551,8 @@ def run_jobs(args) -> None:
                 rows = [answer(pipe, probe, job, press, ratio, setting, kept)]
             for (press, ratio), row in zip(group, rows):
                 method = method_name(press, ratio, setting)
-                row = {"job": job["key"], "method": method, "threads": spec["threads"], **row}
+                row = {"job": job["key"], "method": method, "threads": spec["threads"],
+                       "machine": spec.get("machine"), **row}  # fmt: skip
                 sink.write(json.dumps(row) + "\n")
                 sink.flush()
                 if kept:
@@ -597,17 +598,14 @@ def kvpress_versions(python: str) -> dict:
     return json.loads(done.stdout)
 
 
-def parse_list(text: str) -> list[str]:
-    return [item.strip() for item in text.split(",") if item.strip()]
-
-
 def prepare_samples(args, tokenizer) -> list[tuple[str, int, object]]:
     """(task, index, RulerSample) of every job, sample-major as `speedkv eval` runs them: the
     files `speedkv eval --tasks ruler --lengths L --samples ruler=N` reads."""
+    from speedkv.cli.options import split_commas
     from speedkv.errors import UserError
     from speedkv.evals import ruler
 
-    tasks = ruler.expand(parse_list(args.tasks))
+    tasks = ruler.expand(split_commas(args.tasks))
     unknown = [t for t in tasks if not ruler.is_ruler(t) or t not in ruler.TASKS]
     if unknown:
         sys.exit(f"unknown RULER task {unknown[0]!r}; tasks: ruler, {', '.join(ruler.TASKS)}")
@@ -718,6 +716,7 @@ def build_records(samples: list, length: int, rows: list[dict]) -> tuple[list[di
                     "kv_bytes_context": row["kv_bytes_context"],
                     "ids_match": row["ids_match"],
                     "threads": row["threads"],
+                    "machine": row.get("machine"),  # None: answered before answers said
                 }
             )
             if not row["ids_match"]:
@@ -754,17 +753,19 @@ def summary(records: list[dict]) -> str:
 
 
 def drive(args) -> None:
+    from speedkv.bench.machine import machine_label
+    from speedkv.cli.options import split_commas
     from speedkv.evals import ruler
     from speedkv.hf.loading import load_tokenizer, model_directory
 
-    presses = parse_list(args.presses)
+    presses = split_commas(args.presses)
     unknown = [p for p in presses if p not in PRESSES]
     if unknown:
         sys.exit(f"unknown press {unknown[0]!r}; presses: {', '.join(PRESSES)}")
-    settings = parse_list(args.settings)
+    settings = split_commas(args.settings)
     if not settings or any(s not in SETTINGS for s in settings):
         sys.exit(f"--settings takes {' and/or '.join(SETTINGS)}, got {args.settings!r}")
-    ratios = [float(r) for r in parse_list(args.ratios)]
+    ratios = [float(r) for r in split_commas(args.ratios)]
     if any(not 0 < r < 1 for r in ratios):
         sys.exit(f"compression ratios are fractions in (0, 1), got {args.ratios!r}")
     found = kvpress_versions(args.kvpress_python)
@@ -799,6 +800,7 @@ def drive(args) -> None:
                 "ratios": ratios,
                 "settings": settings,
                 "jobs": make_jobs(samples, args.length),
+                "machine": machine_label(),  # each answer says where it was made
             }
         )
     )

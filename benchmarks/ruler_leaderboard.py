@@ -32,6 +32,11 @@ Sweeps (OUT = --work/MODEL/LENGTH):
   ttft      a quiet `speedkv bench` at the length: the TTFT ratios the table shows for our
             methods (the sweeps' own per-sample ratios are taken on a shared CPU)
 
+Sweeps take hours. `--archive` stores each part's answers so far beside the leaderboard
+(benchmarks/ruler/MODEL-LENGTH/answers/); a sweep started where its part has no answers yet
+resumes from them, so a long sweep can go on on another machine. `--render` keeps the published
+rows (results.json) of sweeps whose runs are not under --work.
+
 --jobs N splits each sweep's tasks into N processes of one thread each (keep N for a sweep's
 life: a stopped sweep resumes with the same task groups). Only `ttft` needs the CPU to itself.
 """
@@ -40,6 +45,8 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import gzip
+import json
 import os
 import shlex
 import subprocess
@@ -48,6 +55,7 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from speedkv.cli.options import split_commas
 from speedkv.evals import leaderboard as lb
 from speedkv.evals import ruler
 
@@ -57,6 +65,9 @@ SPEEDKV = str(Path(sys.executable).with_name("speedkv"))  # this environment's C
 # to score it, about five prefills a sample
 KVPRESS_PRESSES = "snapkv,expected_attention,streaming_llm,tova,knorm"
 KVZIP = "kvzip"
+# every board in bfloat16, kvpress's rows too, so no row depends on the CPU that made it
+# (speedkv's `auto` is float32 on a CPU without bf16 matrix instructions)
+DTYPE = "bfloat16"
 
 
 @dataclass
@@ -183,7 +194,7 @@ def best_presses(work: Path, n: int) -> str:
     ]
     ready = [r for r in rows if r.average is not None and r.min_samples >= board.samples]
     names = {press_of(r) for r in rows}
-    expected = set(comma_list(board.presses))
+    expected = set(split_commas(board.presses))
     if not (len(ready) == len(rows) == 2 * len(expected) and names == expected):
         raise SystemExit(
             "the SmolLM2 4K board's kvpress sweep is not complete, so its best presses are not "
@@ -200,10 +211,6 @@ def best_presses(work: Path, n: int) -> str:
 def press_of(row: lb.Row) -> str:
     """The press of a kvpress row (`kvpress:<press>,ratio=...`)."""
     return row.method.split(":")[1].split(",")[0]
-
-
-def comma_list(text: str) -> list[str]:
-    return [item.strip() for item in text.split(",") if item.strip()]
 
 
 def sweeps(plan: Plan) -> dict[str, Sweep]:
@@ -236,7 +243,7 @@ def part_dirs(work: Path, sweep: str, jobs: int) -> list[Path]:
 
 def eval_command(model: str, length: int, samples: int, sweep: Sweep, tasks: list[str], out: Path):
     return [
-        SPEEDKV, "eval", "--model", model,
+        SPEEDKV, "eval", "--model", model, "--dtype", DTYPE,
         "--methods", ";".join(sweep.methods), "--tasks", ",".join(tasks),
         "--lengths", str(length), "--samples", f"ruler={samples}", "--seed", "0",
         "--threads", "1", "--out", str(out), "--resume", *sweep.args,
@@ -254,11 +261,52 @@ def kvpress_command(args, plan: Plan, sweep: Sweep, tasks: list[str], out: Path)
     ]  # fmt: skip
 
 
+def resume_file(part: Path) -> Path:
+    """What a stopped part resumes from: kvpress's raw answers, or speedkv eval's records."""
+    raw = part / "kvpress-results.jsonl"
+    return raw if part.name.startswith(("kvpress-", "kvzip-")) else part / "records.jsonl"
+
+
+def archived(board: Path, part: Path) -> Path:
+    return board / "answers" / f"{part.name}.{resume_file(part).name}.gz"
+
+
+def archive_answers(work: Path, board: Path) -> list[Path]:
+    """Copy every part's answers so far into the board's folder (gzip, no timestamp, so an
+    unchanged part gives the same bytes): a sweep stopped here resumes from them on another
+    machine. Returns the files written."""
+    written = []
+    for part in sorted(p for p in work.glob("*-*of*") if p.is_dir()):
+        source = resume_file(part)
+        if not source.exists():
+            continue
+        target = archived(board, part)
+        target.parent.mkdir(parents=True, exist_ok=True)
+        with gzip.GzipFile(target, "wb", mtime=0) as sink:
+            sink.write(source.read_bytes())
+        written.append(target)
+    return written
+
+
+def restore_answers(board: Path, part: Path) -> bool:
+    """Seed a part that has nothing yet from the board's archived answers (see
+    archive_answers). Returns whether it did."""
+    source, target = archived(board, part), resume_file(part)
+    if target.exists() or not source.exists():
+        return False
+    part.mkdir(parents=True, exist_ok=True)
+    target.write_bytes(gzip.decompress(source.read_bytes()))
+    return True
+
+
 def run_sweep(args, plan: Plan, sweep: Sweep, work: Path) -> None:
     """One sweep, its task groups in parallel processes; each logs to OUT.log."""
     procs = []
     for tasks, out in zip(task_parts(args.jobs), part_dirs(work, sweep.name, args.jobs)):
         out.parent.mkdir(parents=True, exist_ok=True)
+        if restore_answers(args.board, out):
+            print(f"[{sweep.name}] {out.name}: resuming from {archived(args.board, out)}",
+                  file=sys.stderr)  # fmt: skip
         command = (
             kvpress_command(args, plan, sweep, tasks, out)
             if sweep.peer
@@ -278,7 +326,7 @@ def run_sweep(args, plan: Plan, sweep: Sweep, work: Path) -> None:
 
 def run_ttft(args, work: Path, methods: list[str]) -> None:
     command = [
-        SPEEDKV, "bench", "--model", args.model,
+        SPEEDKV, "bench", "--model", args.model, "--dtype", DTYPE,
         "--methods", ";".join(methods), "--lengths", str(args.length),
         "--max-new-tokens", "4", "--repeats", "3", "--out", str(work / "ttft"),
     ]  # fmt: skip
@@ -304,11 +352,19 @@ def refresh_docs(page: str, name: str, tables: str) -> str:
 
 def render(args, work: Path, out: Path) -> None:
     dirs = sorted(p.parent for p in work.glob("*/records.jsonl"))
-    if not dirs:
+    published_file = out / "results.json"
+    published = (
+        lb.rows_from_json(json.loads(published_file.read_text())) if published_file.exists() else []
+    )
+    if not dirs and not published:
         raise SystemExit(f"no runs under {work}: run some sweeps first (--run base)")
     ttft_file = work / "ttft" / "results.json"
     ttft = lb.bench_ttft(ttft_file) if ttft_file.exists() else None
-    rows = lb.rows_from_runs(dirs, ttft)
+    # rows whose runs are not here (finished on another machine) keep their published figures
+    rows, carried = lb.with_published(lb.rows_from_runs(dirs, ttft), published)
+    if carried:
+        print(f"{len(carried)} rows as published in {published_file} (no runs of theirs under "
+              f"{work})", file=sys.stderr)  # fmt: skip
     out.mkdir(parents=True, exist_ok=True)
     title = f"{args.model}, RULER at {args.length} tokens"
     plot = lb.plot_pareto(rows, args.length, out / "pareto.png", title)
@@ -321,7 +377,9 @@ def render(args, work: Path, out: Path) -> None:
     parts = [
         f"# {title}\n",
         f"Generated {time.strftime('%Y-%m-%d %H:%M')} by `benchmarks/ruler_leaderboard.py "
-        f"--render` from {len(dirs)} runs under {work}. Scores in percent (RULER's metric per "
+        f"--render` from {len(dirs)} runs under {work}"
+        + (f" and {len(carried)} rows as published before" if carried else "")
+        + ". Scores in percent (RULER's metric per "
         "task; the average is the mean of the 13 tasks, given once every task has samples). "
         "KV x: cache held at the first token against full attention's on the same prompts. "
         "TTFT x: "
@@ -337,6 +395,10 @@ def render(args, work: Path, out: Path) -> None:
         parts += ["## Pareto front\n", f"![RULER against KV and TTFT]({plot.name})\n"]
     hours = sum(r.seconds for r in rows) / 3600
     parts += [f"Samples' wall time, all rows: {hours:.1f} h (CPU shared by the parallel parts).\n"]
+    machines = lb.answers_by_machine(dirs)
+    if machines:
+        listed = "; ".join(f"{name}: {n}" for name, n in machines.items())
+        parts += [f"Answers under {work}, by the CPU that made them: {listed}.\n"]
     (out / "leaderboard.md").write_text("\n".join(parts))
     if args.docs:
         captions = {lb.AWARE: "Per task, question in view (RULER's metric, percent):",
@@ -350,8 +412,6 @@ def render(args, work: Path, out: Path) -> None:
         name = f"{args.model}-{args.length}"
         args.docs.write_text(refresh_docs(args.docs.read_text(), name, "\n".join(tables)))
         print(args.docs)
-    import json
-
     (out / "results.json").write_text(json.dumps(lb.to_json(rows), indent=1))
     print(out / "leaderboard.md")
 
@@ -380,6 +440,10 @@ def main() -> None:
     )
     parser.add_argument("--render", action="store_true", help="write the leaderboard")
     parser.add_argument(
+        "--archive", action="store_true", help="store every sweep's answers so far in "
+        "the --out folder's answers/ (gzip): a sweep run later on another machine resumes from them"
+    )  # fmt: skip
+    parser.add_argument(
         "--docs", type=Path, default=None, help="with --render: also refresh this page's "
         "fenced copy of the tables (docs/ruler.md)"
     )  # fmt: skip
@@ -392,8 +456,9 @@ def main() -> None:
     if args.presses:
         plan = dataclasses.replace(plan, presses=args.presses)
     args.samples = args.samples or plan.samples
+    args.board = args.out or Path("benchmarks/ruler") / f"{args.model}-{args.length}"
     plan_sweeps = sweeps(plan)
-    wanted = comma_list(args.run)
+    wanted = split_commas(args.run)
     if wanted == ["all"]:
         wanted = [*plan_sweeps, "ttft"]
     unknown = [w for w in wanted if w not in plan_sweeps and w != "ttft"]
@@ -410,8 +475,11 @@ def main() -> None:
                 print(f"[kvpress] the 4K board's best presses: {chosen}", file=sys.stderr)
                 sweep = dataclasses.replace(sweep, methods=[chosen])
             run_sweep(args, plan, sweep, work)
-    if args.render or not wanted:
-        render(args, work, args.out or Path("benchmarks/ruler") / f"{args.model}-{args.length}")
+    if args.archive:
+        for path in archive_answers(work, args.board):
+            print(path)
+    if args.render or not (wanted or args.archive):
+        render(args, work, args.board)
 
 
 if __name__ == "__main__":

@@ -298,8 +298,10 @@ def test_prepacked_decode_equals_plain_weights(family, dtype):
     assert packed_layer is not None
     if native_layout:  # speedkv's own layout: [out / 16, in / 2, 16, 2]
         assert packed_layer.qkv[0].dim() == 4
-    else:
+    elif dtype == torch.float32 or fused.onednn_bf16():
         assert packed_layer.qkv[0].is_mkldnn
+    else:  # an AVX2-only x86 CPU: oneDNN takes no bfloat16 weights, so they stay as they are
+        assert not packed_layer.qkv[0].is_mkldnn and packed_layer.qkv[0].dim() == 2
     assert run() == plain
     for spec, rows in zip(specs, plain_rows):
         # oneDNN's copy gives bit-identical bf16 results; the native kernel sums in another
@@ -307,6 +309,24 @@ def test_prepacked_decode_equals_plain_weights(family, dtype):
         tolerance = 1e-4 if dtype == torch.float32 else (0.1 if native_layout else 0.0)
         error = (logits(spec) - rows).abs().max()
         assert error <= tolerance, spec
+
+
+def test_prepack_leaves_bfloat16_weights_plain_where_onednn_refuses_them(monkeypatch):
+    """On an x86 CPU without AVX512BW (AVX2 only) oneDNN raises on bfloat16 weights: prepacking
+    declines them there and the engine decodes on torch's kernels, with the same tokens."""
+    monkeypatch.setenv(native.SWITCH, "torch")  # no native layout either
+    monkeypatch.setattr(fused, "onednn_bf16", lambda: False)
+    model = tiny_model("llama")
+    model.hf_model.to(torch.bfloat16)
+    specs = ["full", "speed:lcut=3,anchors=bos,deep=1"]
+    prompts = [random_prompt(n, seed=n) for n in (9, 23)]
+    plain = batch_tokens(Engine(model), prompts, specs, 6)
+    engine = Engine(model, prepack=True)
+    assert not fused.can_prepack((torch.zeros(16, 16, dtype=torch.bfloat16), None))
+    assert fused.can_prepack((torch.zeros(16, 16), None)) == torch.backends.mkldnn.is_available()
+    assert batch_tokens(engine, prompts, specs, 6) == plain
+    layer = model.backbone.decode_weights()[0]
+    assert layer is not None and not layer.qkv[0].is_mkldnn
 
 
 # -- the native small operations of a layer (core/csrc/layer_ops.cpp) ------------------------

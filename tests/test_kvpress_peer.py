@@ -82,7 +82,7 @@ def test_records_are_scored_against_the_reference_and_ranked(peer, samples, tmp_
     needle = sample.outputs[0]
     rows = [
         result(peer, job, peer.NONE, "agnostic", f" {needle}.", 1000, 2.0),
-        result(peer, job, "snapkv", "agnostic", " 1234.", 733, 2.2),
+        result(peer, job, "snapkv", "agnostic", " 1234.", 733, 2.2) | {"machine": "cpu A"},
         result(peer, job, "snapkv", "aware", f" {needle}.", 733, 2.1),  # no reference yet
     ]
     records, mismatches = peer.build_records(samples, 1024, rows)
@@ -99,6 +99,7 @@ def test_records_are_scored_against_the_reference_and_ranked(peer, samples, tmp_
     assert full["score"] == 1.0 and snap["score"] == 0.0
     assert snap["kv_ratio"] == pytest.approx(0.733) and snap["ttft_ratio"] == pytest.approx(1.1)
     assert snap["input_sha"] == sample.input_sha and snap["setting"] == "agnostic"
+    assert snap["machine"] == "cpu A" and full["machine"] is None  # None: answered before
 
     # the leaderboard reads them as kvpress rows of the query-agnostic setting
     run = tmp_path / "kv"
@@ -157,7 +158,7 @@ def test_shared_prefills_give_the_pipeline_calls_answers(peer, samples, smol_tok
         spec = {
             "model": str(model_dir), "threads": 1, "presses": list(peer.PRESSES),
             "share_prefill": share, "ratios": [0.267, 0.133],
-            "settings": list(peer.SETTINGS), "jobs": jobs,
+            "settings": list(peer.SETTINGS), "jobs": jobs, "machine": f"cpu {share}",
         }  # fmt: skip
         path = tmp_path / f"jobs-{share}.json"
         path.write_text(json.dumps(spec))
@@ -175,6 +176,7 @@ def test_shared_prefills_give_the_pipeline_calls_answers(peer, samples, smol_tok
     assert len(own) == len(shared) == 2 * 2 * 13
     assert all(r.get("prefill_shared", False) is False for r in own.values())
     assert all(r["prefill_shared"] for r in shared.values())
+    assert {r["machine"] for r in shared.values()} == {"cpu True"}  # each answer says where
     fields = ("answer", "output_tokens", "kv_bytes", "kv_bytes_context", "kv_bytes_effective",
               "layer_lengths", "press_repr", "ids_match")  # fmt: skip
     for key, row in own.items():

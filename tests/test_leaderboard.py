@@ -196,3 +196,50 @@ def test_the_front_joins_untrained_rows_and_ties_at_one_budget(tmp_path: Path) -
     ]
     front = [rows[i].method for i in lb.untrained_front(rows, "kv_ratio")]
     assert front == ["fastkv:retain=0.733", "snapkv:retain=0.733", "full"]
+
+
+def test_published_rows_read_back_as_they_were_written(tmp_path: Path) -> None:
+    run = write_run(
+        tmp_path / "r",
+        {"adapter": "adapters/a"},
+        [record(SPEED, t, 0, 0.5, kv_ratio=0.733, ttft_ratio=0.7) for t in ruler.TASKS],
+    )
+    rows = lb.rows_from_runs([run])
+    back = lb.rows_from_json(json.loads(json.dumps(lb.to_json(rows))))
+    assert back == rows
+    assert back[0].average == pytest.approx(0.5)
+
+
+def test_a_published_row_is_kept_until_a_run_of_its_own_replaces_it(tmp_path: Path) -> None:
+    """A sweep finished on another machine keeps its published figures; a row measured here
+    replaces the published one of the same method, adapter, setting and length."""
+    full = write_run(tmp_path / "full", {}, [record("full", t, 0, 1.0) for t in ruler.TASKS])
+    published = lb.rows_from_json(
+        lb.to_json(
+            lb.rows_from_runs(
+                [
+                    write_run(
+                        tmp_path / "old",
+                        {},
+                        [record(m, t, 0, 0.25) for m in ("full", SPEED) for t in ruler.TASKS],
+                    )
+                ]
+            )
+        )
+    )
+    rows, carried = lb.with_published(lb.rows_from_runs([full]), published)
+    by_method = {r.method: r for r in rows}
+    assert [r.method for r in carried] == [SPEED]
+    assert by_method["full"].average == pytest.approx(1.0)  # measured here
+    assert by_method[SPEED].average == pytest.approx(0.25)  # as published
+    assert len(rows) == 2
+
+
+def test_answers_are_counted_by_the_machine_that_made_them(tmp_path: Path) -> None:
+    run = write_run(
+        tmp_path / "r",
+        {},
+        [record("full", "ruler/vt", i, 1.0, machine="cpu A") for i in range(3)]
+        + [record("full", "ruler/vt", 3, 1.0, machine="cpu B"), record("full", "ruler/vt", 4, 1.0)],
+    )
+    assert lb.answers_by_machine([run]) == {"cpu A": 3, "cpu B": 1, "not recorded": 1}

@@ -59,6 +59,8 @@ def test_the_4k_board_runs_every_method_at_speed22s_kv_ratio(tmp_path):
     )
     assert command[command.index("--samples") + 1] == "ruler=20"
     assert command[-2:] == ["--adapter", plan.adapter]
+    # the board's dtype on every CPU (auto would be float32 on one without bf16 instructions)
+    assert command[command.index("--dtype") + 1] == "bfloat16" == board.DTYPE
 
 
 def test_kvpress_runs_at_every_kv_ratio_speed_reaches():
@@ -116,7 +118,7 @@ def kvpress_board(work: Path, scores: dict[str, float], samples: int = 20) -> No
 
 
 def test_later_plans_take_the_4k_boards_best_presses_at_speed22s_kv(tmp_path):
-    presses = board.comma_list(board.PLANS[("smollm2-135m", 4096)].presses)
+    presses = board.split_commas(board.PLANS[("smollm2-135m", 4096)].presses)
     scores = dict(zip(presses, (0.1, 0.5, 0.3, 0.4, 0.2)))  # at 0.867 KV the order reverses
     kvpress_board(tmp_path, scores)
     assert board.best_presses(tmp_path, 2) == f"{presses[1]},{presses[3]}"
@@ -125,7 +127,7 @@ def test_later_plans_take_the_4k_boards_best_presses_at_speed22s_kv(tmp_path):
 
 
 def test_best_presses_wait_for_the_whole_4k_sweep(tmp_path):
-    presses = board.comma_list(board.PLANS[("smollm2-135m", 4096)].presses)
+    presses = board.split_commas(board.PLANS[("smollm2-135m", 4096)].presses)
     kvpress_board(tmp_path, dict.fromkeys(presses, 0.5), samples=19)
     with pytest.raises(SystemExit, match="kvpress sweep is not complete"):
         board.best_presses(tmp_path, 2)
@@ -144,3 +146,71 @@ def test_kvpress_runs_in_the_settings_speedkvs_rows_have(tmp_path):
         settings = command[command.index("--settings") + 1]
         assert settings == ("aware,agnostic" if plan.agnostic else "aware"), key
     assert board.PLANS[("smollm2-135m", 4096)].kvpress_settings() == "aware,agnostic"
+
+
+def test_archived_answers_seed_a_sweep_on_another_machine(tmp_path):
+    """--archive keeps each part's resume file (kvpress's raw answers, speedkv eval's records)
+    beside the board, byte for byte and the same bytes each time; a part with nothing yet
+    starts from it, a part with answers of its own keeps them."""
+    work, board_dir = tmp_path / "work", tmp_path / "board"
+    kvpress, base = work / "kvpress-1of2", work / "base-2of2"
+    kvpress.mkdir(parents=True)
+    base.mkdir()
+    (kvpress / "kvpress-results.jsonl").write_text('{"header": {}}\n{"job": "a"}\n')
+    (kvpress / "records.jsonl").write_text("rebuilt from the raw answers at the end\n")
+    (base / "records.jsonl").write_text('{"header": {}}\n{"task": "ruler/vt"}\n')
+    written = board.archive_answers(work, board_dir)
+    assert [p.name for p in written] == [
+        "base-2of2.records.jsonl.gz",
+        "kvpress-1of2.kvpress-results.jsonl.gz",
+    ]
+    first = [p.read_bytes() for p in written]
+    assert [p.read_bytes() for p in board.archive_answers(work, board_dir)] == first
+
+    elsewhere = tmp_path / "elsewhere"
+    for part in ("kvpress-1of2", "base-2of2"):
+        assert board.restore_answers(board_dir, elsewhere / part)
+    assert (elsewhere / "kvpress-1of2" / "kvpress-results.jsonl").read_text() == (
+        kvpress / "kvpress-results.jsonl"
+    ).read_text()
+    assert (elsewhere / "base-2of2" / "records.jsonl").read_text() == (
+        base / "records.jsonl"
+    ).read_text()
+    (elsewhere / "base-2of2" / "records.jsonl").write_text("newer\n")
+    assert not board.restore_answers(board_dir, elsewhere / "base-2of2")
+    assert (elsewhere / "base-2of2" / "records.jsonl").read_text() == "newer\n"
+    assert not board.restore_answers(board_dir, elsewhere / "kvzip-1of2")  # none archived
+
+
+def test_render_keeps_published_rows_whose_runs_are_elsewhere(tmp_path):
+    """A board rendered where only some sweeps ran keeps the others' published rows."""
+    from speedkv.evals import leaderboard as lb
+
+    def run(directory: Path, method: str, score: float) -> Path:
+        directory.mkdir(parents=True)
+        records = [
+            {"method": method, "task": t, "length": 4096, "sample": 0, "prompt_tokens": 3900,
+             "metric": "string_match_all", "score": score, "kv_ratio": 1.0, "ttft_ratio": 1.0}
+            for t in board.ruler.TASKS
+        ]  # fmt: skip
+        lines = [json.dumps({"header": {}})] + [json.dumps(r) for r in records]
+        (directory / "records.jsonl").write_text("\n".join(lines) + "\n")
+        return directory
+
+    out = tmp_path / "board"
+    out.mkdir()
+    published = lb.rows_from_runs([run(tmp_path / "old" / "base-1of1", "pop:lcut=22", 0.25)])
+    (out / "results.json").write_text(json.dumps(lb.to_json(published)))
+    work = tmp_path / "work"
+    run(work / "base-1of1", "full", 1.0)
+
+    class Args:
+        model, length, docs = "smollm2-135m", 4096, None
+
+    board.render(Args, work, out)
+    rows = {r["method"]: r for r in json.loads((out / "results.json").read_text())}
+    assert rows["full"]["average"] == pytest.approx(1.0)
+    assert rows["pop:lcut=22"]["average"] == pytest.approx(0.25)
+    page = (out / "leaderboard.md").read_text()
+    assert "and 1 rows as published before" in page
+    assert "by the CPU that made them: not recorded: 13." in page

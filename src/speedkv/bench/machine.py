@@ -52,6 +52,26 @@ def machine_facts() -> dict:
     }
 
 
+def machine_label() -> str:
+    """One line that tells this CPU from the others a long sweep may run on: its model, family
+    and model numbers (AMD's names repeat across generations) and the ISA flags that matter."""
+    facts: dict[str, str] = {}
+    flags: set[str] = set()
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            key, _, value = (part.strip() for part in line.partition(":"))
+            if key in ("model name", "cpu family", "model", "CPU part") and key not in facts:
+                facts[key] = value
+            elif key in ("flags", "Features") and not flags:
+                flags = set(value.split())
+    except OSError:
+        pass
+    name = facts.get("model name") or platform.processor() or platform.machine() or "unknown"
+    ids = ", ".join(f"{k} {facts[k]}" for k in ("cpu family", "model", "CPU part") if k in facts)
+    isa = " ".join(f for f in ISA_FLAGS if f in flags) or "no listed ISA flags"
+    return f"{name} ({ids}; {isa})" if ids else f"{name} ({isa})"
+
+
 def kernel_facts() -> dict:
     """The compiler the native kernels build with, whether each is built, and the kernel
     chosen for each kind of work here (measured once per machine: core/tuning.py)."""

@@ -87,6 +87,11 @@ def parse_lengths(text: str) -> list[int]:
     return lengths
 
 
+def split_commas(text: str) -> list[str]:
+    """The items of a ','-separated list, stripped, empty ones dropped."""
+    return [item.strip() for item in text.split(",") if item.strip()]
+
+
 def split_methods(text: str) -> list[str]:
     """The specs of a ';'-separated list, unchecked."""
     methods = [m.strip() for m in text.split(";") if m.strip()]

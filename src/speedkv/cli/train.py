@@ -19,6 +19,7 @@ from speedkv.cli.options import (
     Seed,
     Threads,
     parsed_option,
+    split_commas,
 )
 from speedkv.core.registry import MethodSpec
 from speedkv.errors import UserError
@@ -44,7 +45,7 @@ def _bf16_default(value: bool | None, device: str) -> bool:
 
 
 def _modules(value: str) -> list[str]:
-    names = [m.strip() for m in value.split(",") if m.strip()]
+    names = split_commas(value)
     if not names:
         raise UserError("--target-modules must name at least one module, e.g. q_proj,v_proj")
     return names

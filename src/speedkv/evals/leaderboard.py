@@ -17,6 +17,7 @@ from __future__ import annotations
 import json
 import math
 import statistics
+from collections import Counter
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -175,6 +176,15 @@ def rows_from_runs(
             row.ttft_ratio, row.ttft_source = ttft[(method, length)], "bench"
         rows.append(row)
     return sorted(rows, key=_row_order)
+
+
+def answers_by_machine(directories: Iterable[Path]) -> dict[str, int]:
+    """How many of the runs' answers each CPU made (a sweep may resume on another machine);
+    answers from before records named their machine count as "not recorded"."""
+    counts: Counter[str] = Counter()
+    for directory in directories:
+        counts.update(r.get("machine") or "not recorded" for r in read_run(Path(directory))[1])
+    return dict(counts.most_common())
 
 
 def _row_order(row: Row) -> tuple:
@@ -418,6 +428,25 @@ def _place_labels(ax, labels: list[tuple[float, float, str]]) -> None:
         ax.annotate(
             text, (x, y), fontsize=6.5, xytext=(dx, dy), textcoords="offset points", ha=align
         )
+
+
+def rows_from_json(items: list[dict]) -> list[Row]:
+    """Rows from a leaderboard's results.json (`to_json`): its figures as published."""
+    names = [f.name for f in Row.__dataclass_fields__.values() if f.name != "extra"]
+    return [Row(**{name: item[name] for name in names if name in item}) for item in items]
+
+
+def row_identity(row: Row) -> tuple:
+    """One row of one setting at one length: the unit a newer run replaces."""
+    return (row.engine, row.adapter, row.setting, row.method, row.length)
+
+
+def with_published(rows: list[Row], published: list[Row]) -> tuple[list[Row], list[Row]]:
+    """`rows` and each published row that none of them replaces (its runs are elsewhere: the
+    records of a sweep finished on another machine), and the published rows so carried."""
+    fresh = {row_identity(r) for r in rows}
+    carried = [r for r in published if row_identity(r) not in fresh]
+    return sorted(rows + carried, key=_row_order), carried
 
 
 def to_json(rows: list[Row]) -> list[dict]:

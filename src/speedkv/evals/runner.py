@@ -19,6 +19,7 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 
+from speedkv.bench.machine import machine_label
 from speedkv.core.engine import Engine, Request, check_reusable
 from speedkv.core.policy import Policy
 from speedkv.core.prefix import CachedPrefix
@@ -265,10 +266,12 @@ class EvalRunner:
         bar = tqdm(
             total=expected, disable=not progress, unit="record", desc="eval", dynamic_ncols=True
         )
+        machine = machine_label()  # a sweep resumed elsewhere says which answers came from where
         with path.open("a") as sink:
             for unit, methods in todo:
                 bar.set_postfix_str(f"{unit.task} @ {unit.length} #{unit.index}")
                 for record in self.run_unit(unit, methods, records):
+                    record["machine"] = machine
                     sink.write(json.dumps(record) + "\n")  # kept even if the sweep stops here
                     sink.flush()
                     records.append(record)

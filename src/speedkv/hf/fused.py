@@ -72,8 +72,8 @@ def apply_linear(x: torch.Tensor, tensors: tuple[torch.Tensor | None, ...]) -> t
 
 
 def can_prepack(tensors: tuple[torch.Tensor | None, ...] | None, ops: NativeOps = None) -> bool:
-    """Whether `prepacked` applies: a plain float weight on a CPU with oneDNN, or one that
-    speedkv's native kernel takes (bfloat16, or int8 rows of a bfloat16 model)."""
+    """Whether `prepacked` applies: a plain float weight on a CPU whose oneDNN takes its dtype,
+    or one that speedkv's native kernel takes (bfloat16, or int8 rows of a bfloat16 model)."""
     if tensors is None:
         return False
     if _native_packable(tensors, ops):
@@ -82,9 +82,15 @@ def can_prepack(tensors: tuple[torch.Tensor | None, ...] | None, ops: NativeOps 
     return (
         len(tensors) == 2
         and weight.device.type == "cpu"
-        and weight.dtype in (torch.float32, torch.bfloat16)
+        and (weight.dtype == torch.float32 or (weight.dtype == torch.bfloat16 and onednn_bf16()))
         and torch.backends.mkldnn.is_available()
     )
+
+
+def onednn_bf16() -> bool:
+    """Whether oneDNN takes bfloat16 weights here: it needs AVX512BW/VL/DQ or AVX-NE-CONVERT,
+    and raises on a CPU without them (AVX2-only x86) where torch's own kernels still work."""
+    return bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
 
 
 def prepacked(
