@@ -158,3 +158,15 @@ def test_doctor_names_the_machine_and_the_choice():
     assert "decode linear layers:" in result.output
     facts = json.loads(CliRunner().invoke(app, ["doctor", "--json"]).output)
     assert {"cpu", "isa", "cores", "torch", "onednn", "kernels"} <= set(facts)
+
+
+@pytest.mark.parametrize("onednn_bf16", [True, False])
+def test_the_choice_says_where_bfloat16_layers_cannot_use_onednn(monkeypatch, onednn_bf16):
+    """On an AVX2-only x86 CPU oneDNN takes no bfloat16 weights: where the choice names oneDNN
+    for the linear layers, doctor says bfloat16 ones run on torch's kernels there."""
+    from speedkv.hf import fused
+
+    monkeypatch.setattr(fused, "onednn_bf16", lambda: onednn_bf16)
+    (linear,) = [line for line in KernelChoice.torch_only().lines() if "linear" in line]
+    assert linear.startswith("decode linear layers: oneDNN for every batch")
+    assert ("this CPU's oneDNN takes none" in linear) == (not onednn_bf16)

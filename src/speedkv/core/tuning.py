@@ -76,6 +76,8 @@ class KernelChoice:
             else "native for every batch" if rows >= ALL_ROWS
             else f"native for batches of up to {rows} rows, oneDNN above"
         )  # fmt: skip
+        if not fused.onednn_bf16():  # where oneDNN is named, bfloat16 layers cannot use it
+            linear += " (bfloat16 weights on torch's kernels: this CPU's oneDNN takes none)"
         return [
             f"prefill attention: {self.prefill_attention}",
             f"decode attention: {self.decode_attention}",
