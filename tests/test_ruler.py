@@ -32,27 +32,21 @@ N = RULER_SAMPLES
 length_of = ruler_length
 
 
-@pytest.fixture(scope="module")
-def root(ruler_root) -> Path:
-    """All 13 tasks, 2 samples each at `length_of`, generated once a session (conftest)."""
-    return ruler_root
+def samples(tokenizer, ruler_root: Path, task: str, seed: int = 0) -> list[ruler.RulerSample]:
+    return ruler.load_samples(tokenizer, task, length_of(task), seed, N, ruler_root)
 
 
-def samples(tokenizer, root: Path, task: str, seed: int = 0) -> list[ruler.RulerSample]:
-    return ruler.load_samples(tokenizer, task, length_of(task), seed, N, root)
-
-
-def saved(tokenizer, root: Path, task: str, seed: int = 0) -> Path:
+def saved(tokenizer, ruler_root: Path, task: str, seed: int = 0) -> Path:
     fingerprint = tokenizer_fingerprint(tokenizer)
-    return ruler.sample_file(root, fingerprint, task, length_of(task), seed, N)
+    return ruler.sample_file(ruler_root, fingerprint, task, length_of(task), seed, N)
 
 
 # -- generation -------------------------------------------------------------------------------
 @pytest.mark.parametrize("task", ruler.TASKS)
-def test_every_task_generates_offline_within_its_length(smol_tokenizer, root, task):
+def test_every_task_generates_offline_within_its_length(smol_tokenizer, ruler_root, task):
     spec = ruler.task_spec(task)
     length = length_of(task)
-    got = samples(smol_tokenizer, root, task)
+    got = samples(smol_tokenizer, ruler_root, task)
     assert [s.index for s in got] == list(range(N))
     for sample in got:
         own = len(smol_tokenizer.tokenize(sample.input))  # RULER counts text, no template
@@ -77,44 +71,46 @@ def test_every_task_generates_offline_within_its_length(smol_tokenizer, root, ta
         assert sample.prompt.header_tokens >= len(header) + 3  # `<|im_start|>assistant\n`
 
 
-def test_samples_are_saved_once_and_reused(smol_tokenizer, root):
-    path = saved(smol_tokenizer, root, "ruler/cwe")
+def test_samples_are_saved_once_and_reused(smol_tokenizer, ruler_root):
+    path = saved(smol_tokenizer, ruler_root, "ruler/cwe")
     before = path.stat().st_mtime_ns
-    ruler.ensure_samples(smol_tokenizer, [("ruler/cwe", SHORT, N)], 0, root)
+    ruler.ensure_samples(smol_tokenizer, [("ruler/cwe", SHORT, N)], 0, ruler_root)
     assert path.stat().st_mtime_ns == before
     assert [json.loads(line)["index"] for line in path.read_text().splitlines()] == [0, 1]
 
 
-def test_samples_are_what_rulers_prepare_makes_and_follow_the_seed(smol_tokenizer, root, tmp_path):
+def test_samples_are_what_rulers_prepare_makes_and_follow_the_seed(
+    smol_tokenizer, ruler_root, tmp_path
+):
     """The package's own prepare.py (seed 42) writes the same bytes as our seed 0, for the task
     that needs the offline punkt data; another seed gives other samples."""
     package = Path(ruler.package_file("data"))
-    tokenizer_dir = root / "tokenizers" / tokenizer_fingerprint(smol_tokenizer)
+    tokenizer_dir = ruler_root / "tokenizers" / tokenizer_fingerprint(smol_tokenizer)
     env = {
         **os.environ,
         "PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ['PATH']}",  # its `python`
-        "NLTK_DATA": str(root / "nltk_data"),
+        "NLTK_DATA": str(ruler_root / "nltk_data"),
         "HF_HUB_OFFLINE": "1",
     }
     prepare = [sys.executable, str(package / "prepare.py"), "--save_dir", str(tmp_path)]
     prepare += ["--task", "niah_single_2", "--tokenizer_path", str(tokenizer_dir)]
     prepare += ["--tokenizer_type", "hf", "--max_seq_length", str(SHORT), "--num_samples", str(N)]
     theirs = subprocess.Popen(prepare, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
-    ruler.ensure_samples(smol_tokenizer, [("ruler/niah_single_2", SHORT, N)], 1, root)
+    ruler.ensure_samples(smol_tokenizer, [("ruler/niah_single_2", SHORT, N)], 1, ruler_root)
     assert theirs.wait(timeout=300) == 0, theirs.stderr.read()
-    ours = saved(smol_tokenizer, root, "ruler/niah_single_2").read_bytes()
+    ours = saved(smol_tokenizer, ruler_root, "ruler/niah_single_2").read_bytes()
     assert (tmp_path / "niah_single_2" / "validation.jsonl").read_bytes() == ours
-    other = samples(smol_tokenizer, root, "ruler/niah_single_2", seed=1)
-    mine = samples(smol_tokenizer, root, "ruler/niah_single_2")
+    other = samples(smol_tokenizer, ruler_root, "ruler/niah_single_2", seed=1)
+    mine = samples(smol_tokenizer, ruler_root, "ruler/niah_single_2")
     assert [s.outputs for s in other] != [s.outputs for s in mine]
     assert all(a.input != b.input for a, b in zip(other, mine))
 
 
-def test_punkt_route_gives_nltk_its_english_tables(root):
+def test_punkt_route_gives_nltk_its_english_tables(ruler_root):
     import nltk
     from nltk.tokenize import sent_tokenize
 
-    nltk_dir = ruler.punkt_data(root)
+    nltk_dir = ruler.punkt_data(ruler_root)
     assert sorted(p.name for p in (nltk_dir / "tokenizers/punkt_tab/english").iterdir()) == [
         "abbrev_types.txt", "collocations.tab", "ortho_context.tab", "sent_starters.txt",
     ]  # fmt: skip
@@ -178,11 +174,11 @@ def query_of(sample: ruler.RulerSample, context: str) -> str | None:
 
 
 @pytest.mark.parametrize("task", ruler.TASKS)
-def test_a_sample_splits_into_context_question_and_answer_prefix(smol_tokenizer, root, task):
+def test_a_sample_splits_into_context_question_and_answer_prefix(smol_tokenizer, ruler_root, task):
     """What a query-agnostic cache compresses (the context) and what comes after it, for
     kvpress's pipeline (benchmarks/kvpress_peer.py): the question as the template words it."""
     spec = ruler.task_spec(task)
-    for sample in samples(smol_tokenizer, root, task):
+    for sample in samples(smol_tokenizer, ruler_root, task):
         context, question, prefix = ruler.split_question(sample.input, spec)
         assert context + question + prefix == sample.input
         assert prefix.lstrip() == sample.reply_start
@@ -241,7 +237,7 @@ def test_qa_below_its_shortest_length_is_refused(word_model, tmp_path):
 
 
 def test_a_prompt_and_answer_over_the_context_is_refused_with_a_length_that_fits(
-    word_model, root, tmp_path
+    word_model, ruler_root, tmp_path
 ):
     """fwe fits its text alone to the length, so at the model's whole context (1024 here) its
     longest prompt, with the chat template and 50 new tokens, does not fit: refused before any
@@ -249,7 +245,7 @@ def test_a_prompt_and_answer_over_the_context_is_refused_with_a_length_that_fits
     tasks = ["ruler/fwe", "ruler/vt"]
     config = EvalConfig(
         model="tiny-words", methods=["full"], tasks=tasks, lengths=[SHORT],
-        n=dict.fromkeys(tasks, N), ruler_data=str(root),
+        n=dict.fromkeys(tasks, N), ruler_data=str(ruler_root),
     )  # fmt: skip
     with pytest.raises(UserError) as refused:
         EvalRunner(word_model, config, tmp_path).run(progress=False, plots=False)
@@ -264,12 +260,12 @@ def test_a_prompt_and_answer_over_the_context_is_refused_with_a_length_that_fits
 
 
 # -- end to end -------------------------------------------------------------------------------
-def test_eval_runs_ruler_resumes_and_reports(word_model, root, tmp_path, monkeypatch, capsys):
+def test_eval_runs_ruler_resumes_and_reports(word_model, ruler_root, tmp_path, monkeypatch, capsys):
     """The CLI on a tiny model with SmolLM2's tokenizer and chat template (the real model's
     answers are checked below): full first, then SPEED added with --resume."""
     out = tmp_path / "run"
     args = ["eval", "--tasks", "ruler/niah_single_1,ruler/vt", "--lengths", str(SHORT)]
-    args += ["--samples", str(N), "--ruler-data", str(root), "--out", str(out), "--json"]
+    args += ["--samples", str(N), "--ruler-data", str(ruler_root), "--out", str(out), "--json"]
     code, stdout, stderr = run_cli([*args, "--methods", "full"], monkeypatch, capsys, word_model)
     assert code == 0, stderr
     first = json.loads(stdout)["records"]
@@ -317,10 +313,10 @@ def test_eval_runs_ruler_resumes_and_reports(word_model, root, tmp_path, monkeyp
 
 
 @pytest.mark.real_model
-def test_smollm2_finds_rulers_single_needle(smollm2, root, tmp_path):
+def test_smollm2_finds_rulers_single_needle(smollm2, ruler_root, tmp_path):
     config = EvalConfig(
         model="smollm2-135m", methods=["full"], tasks=["ruler/niah_single_1"], lengths=[SHORT],
-        n={"ruler/niah_single_1": N}, ruler_data=str(root),
+        n={"ruler/niah_single_1": N}, ruler_data=str(ruler_root),
     )  # fmt: skip
     result = EvalRunner(smollm2, config, tmp_path).run(progress=False, plots=False)
     records = result["records"]

@@ -4,7 +4,6 @@ question asked from that cache (`speedkv eval --query-agnostic`)."""
 from __future__ import annotations
 
 import importlib.util
-from pathlib import Path
 
 import pytest
 
@@ -26,14 +25,9 @@ N = RULER_SAMPLES
 SPEED = "speed:lcut=2,anchors=bos,deep=1"
 
 
-@pytest.fixture(scope="module")
-def root(ruler_root) -> Path:
-    return ruler_root  # every task at `ruler_length`, N samples, seed 0 (conftest)
-
-
 @pytest.mark.parametrize("task", list(LENGTH))
-def test_context_tokens_end_where_the_question_starts(smol_tokenizer, root, task):
-    for sample in ruler.load_samples(smol_tokenizer, task, LENGTH[task], 0, N, root):
+def test_context_tokens_end_where_the_question_starts(smol_tokenizer, ruler_root, task):
+    for sample in ruler.load_samples(smol_tokenizer, task, LENGTH[task], 0, N, ruler_root):
         k = ruler.context_tokens(smol_tokenizer, sample)
         rest = smol_tokenizer.decode(sample.prompt.ids[k:])
         assert rest.startswith(OPENING[task]), rest[:40]
@@ -42,20 +36,22 @@ def test_context_tokens_end_where_the_question_starts(smol_tokenizer, root, task
         assert question.strip() in rest
 
 
-def run(word_model, root, tmp_path, methods, agnostic, task="ruler/niah_single_1", shared=False):
+def run(
+    word_model, ruler_root, tmp_path, methods, agnostic, task="ruler/niah_single_1", shared=False
+):
     config = EvalConfig(
         model="tiny-words", methods=methods, tasks=[task], lengths=[LENGTH[task]],
-        n={task: N}, ruler_data=str(root), query_agnostic=agnostic, shared_prefill=shared,
+        n={task: N}, ruler_data=str(ruler_root), query_agnostic=agnostic, shared_prefill=shared,
     )  # fmt: skip
     out = tmp_path / ("agnostic" if agnostic else "aware") / ("shared" if shared else "own")
     return EvalRunner(word_model, config, out).run(progress=False, plots=False)["records"]
 
 
-def test_full_answers_the_same_from_a_cached_context(word_model, root, tmp_path):
+def test_full_answers_the_same_from_a_cached_context(word_model, ruler_root, tmp_path):
     """Full attention computes every token the same whatever follows it: caching the context
     first changes nothing but the order of work."""
-    aware = run(word_model, root, tmp_path, ["full", SPEED], agnostic=False)
-    agnostic = run(word_model, root, tmp_path, ["full", SPEED], agnostic=True)
+    aware = run(word_model, ruler_root, tmp_path, ["full", SPEED], agnostic=False)
+    agnostic = run(word_model, ruler_root, tmp_path, ["full", SPEED], agnostic=True)
     for a, b in zip(aware, agnostic):
         assert (a["method"], a["sample"]) == (b["method"], b["sample"])
         assert b["setting"] == "agnostic" and "setting" not in a
@@ -74,14 +70,14 @@ def test_full_answers_the_same_from_a_cached_context(word_model, root, tmp_path)
 
 @pytest.mark.parametrize("task", ["ruler/niah_single_1", "ruler/vt"])
 def test_shared_prefill_gives_the_answers_and_caches_of_separate_prefills(
-    word_model, root, tmp_path, task
+    word_model, ruler_root, tmp_path, task
 ):
     """--shared-prefill: full and every SPEED method start from one full prefill of the
     prompt; the answers and caches are those of each method's own prefill. SPEED's TTFT is
     then not measured, and the report shows none."""
     methods = ["full", SPEED, "speed:lcut=1,anchors=sink:4,deep=5", "snapkv:retain=0.5"]
-    own = run(word_model, root, tmp_path, methods, agnostic=False, task=task)
-    shared = run(word_model, root, tmp_path, methods, agnostic=False, task=task, shared=True)
+    own = run(word_model, ruler_root, tmp_path, methods, agnostic=False, task=task)
+    shared = run(word_model, ruler_root, tmp_path, methods, agnostic=False, task=task, shared=True)
     assert len(own) == len(shared) == len(methods) * N
     for a, b in zip(own, shared):
         assert (a["method"], a["sample"], a["answer"]) == (b["method"], b["sample"], b["answer"])
@@ -97,9 +93,9 @@ def test_shared_prefill_gives_the_answers_and_caches_of_separate_prefills(
         assert (row["ttft_ratio"] is None) is method.startswith("speed")
 
 
-def test_shared_prefill_is_refused_with_query_agnostic(word_model, root, tmp_path):
+def test_shared_prefill_is_refused_with_query_agnostic(word_model, ruler_root, tmp_path):
     with pytest.raises(UserError, match="--shared-prefill does not go with --query-agnostic"):
-        run(word_model, root, tmp_path, ["full", SPEED], agnostic=True, shared=True)
+        run(word_model, ruler_root, tmp_path, ["full", SPEED], agnostic=True, shared=True)
 
 
 def test_methods_that_choose_their_cache_with_the_question_are_refused(word_model, tmp_path):

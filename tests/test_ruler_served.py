@@ -44,16 +44,11 @@ MODEL = "tiny-words"
 
 
 @pytest.fixture(scope="module")
-def root(ruler_root) -> Path:
-    return ruler_root  # TASK at LENGTH, N samples, seed 0 among them (conftest)
-
-
-@pytest.fixture(scope="module")
-def inprocess(word_model, root, tmp_path_factory) -> dict:
+def inprocess(word_model, ruler_root, tmp_path_factory) -> dict:
     """`speedkv eval --tasks ruler/niah_single_1` for full and SPEED, in this process."""
     config = EvalConfig(
         model=MODEL, methods=["full", SPEED], tasks=[TASK], lengths=[LENGTH], n={TASK: N},
-        ruler_data=str(root),
+        ruler_data=str(ruler_root),
     )  # fmt: skip
     out = tmp_path_factory.mktemp("eval")
     return EvalRunner(word_model, config, out).run(progress=False, plots=False)
@@ -83,19 +78,19 @@ def live_server(model, method: str) -> Iterator[str]:
 
 @pytest.mark.parametrize("method", ["full", SPEED])
 def test_rulers_client_against_the_server_equals_in_process(
-    word_model, smol_tokenizer, root, inprocess, tmp_path, method
+    word_model, smol_tokenizer, ruler_root, inprocess, tmp_path, method
 ):
     with live_server(word_model, method) as url:
         card = httpx.get(f"{url}/v1/models", trust_env=False).json()["data"][0]
         served = ruler_served.run_route(
             smol_tokenizer, "completion", url, MODEL, card["speedkv"]["context"], [TASK],
-            LENGTH, 0, N, root, tmp_path,
+            LENGTH, 0, N, ruler_root, tmp_path,
         )  # fmt: skip
     spec = card["speedkv"]["method"]
     assert spec in inprocess["methods"]  # the server's canonical spec names the records
 
     # the client read the saved samples, re-laid in the chat template the in-process run uses
-    saved = ruler.load_samples(smol_tokenizer, TASK, LENGTH, 0, N, root)
+    saved = ruler.load_samples(smol_tokenizer, TASK, LENGTH, 0, N, ruler_root)
     sent = [json.loads(line) for line in (tmp_path / "data" / ruler.ruler_name(TASK) /
                                           "validation.jsonl").read_text().splitlines()]  # fmt: skip
     assert [row["index"] for row in sent] == [s.index for s in saved]
@@ -123,8 +118,8 @@ def test_rulers_client_against_the_server_equals_in_process(
     assert "Error" not in (tmp_path / "pred" / "scorer.log").read_text()
 
 
-def test_a_prompt_that_would_tokenize_otherwise_is_refused(smol_tokenizer, root):
-    sample = ruler.load_samples(smol_tokenizer, TASK, LENGTH, 0, N, root)[0]
+def test_a_prompt_that_would_tokenize_otherwise_is_refused(smol_tokenizer, ruler_root):
+    sample = ruler.load_samples(smol_tokenizer, TASK, LENGTH, 0, N, ruler_root)[0]
     text = ruler_served.completion_input(smol_tokenizer, sample)
     assert smol_tokenizer(text)["input_ids"] == sample.prompt.ids
     shorter = EncodedPrompt(sample.prompt.ids[:-1], sample.prompt.header_tokens)
@@ -142,14 +137,14 @@ def test_compare_names_a_missing_in_process_record():
         ruler_served.compare(served, [], "full", LENGTH)
 
 
-def test_rulers_client_fails_fast_without_a_server(smol_tokenizer, root, tmp_path):
+def test_rulers_client_fails_fast_without_a_server(smol_tokenizer, ruler_root, tmp_path):
     """The client retries a refused request forever; the timeout ends it with its log."""
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         url = f"http://127.0.0.1:{sock.getsockname()[1]}"  # nobody listens
     with pytest.raises(UserError, match="did not finish niah_single_1 within 5 s"):
         ruler_served.run_route(
-            smol_tokenizer, "completion", url, MODEL, LENGTH, [TASK], LENGTH, 0, N, root,
+            smol_tokenizer, "completion", url, MODEL, LENGTH, [TASK], LENGTH, 0, N, ruler_root,
             tmp_path, client_timeout_s=5,
         )  # fmt: skip
 
