@@ -329,6 +329,29 @@ def test_prepack_leaves_bfloat16_weights_plain_where_onednn_refuses_them(monkeyp
     assert layer is not None and not layer.qkv[0].is_mkldnn
 
 
+def test_bfloat16_products_run_in_float32_where_onednn_takes_no_bfloat16(monkeypatch):
+    """There torch's bfloat16 product is a plain loop: from UPCAST_FROM rows (a prefill's) the
+    product runs in float32 and is rounded once, as a bfloat16 product's float32 sums are; a
+    decode step's rows stay in bfloat16."""
+    monkeypatch.setattr(fused, "onednn_bf16", lambda: False)
+    widened = []
+    in_float32 = fused._linear_in_float32
+    monkeypatch.setattr(
+        fused, "_linear_in_float32", lambda x, w, b: widened.append(len(x)) or in_float32(x, w, b)
+    )
+    torch.manual_seed(0)
+    x, w, b = (torch.randn(*shape).bfloat16() for shape in ((64, 96), (48, 96), (48,)))
+    got = fused.apply_linear(x, (w, b))
+    exact = F.linear(x.double(), w.double(), b.double())
+    assert got.dtype == torch.bfloat16
+    assert torch.allclose(got.double(), exact, rtol=2**-8, atol=1e-6)  # rounded once
+    fused.apply_linear(x[: fused.UPCAST_FROM - 1], (w, b))
+    assert widened == [64]
+    monkeypatch.setattr(fused, "onednn_bf16", lambda: True)  # oneDNN's own bfloat16 path
+    fused.apply_linear(x, (w, b))
+    assert widened == [64]
+
+
 # -- the native small operations of a layer (core/csrc/layer_ops.cpp) ------------------------
 @pytest.fixture(scope="module")
 def small_ops():
