@@ -15,17 +15,25 @@ ISA_FLAGS = ("avx2", "avx512f", "avx512_bf16", "avx512_fp16", "amx_bf16", "amx_i
              "asimd", "sve", "bf16", "i8mm")  # fmt: skip
 
 
-def machine_facts() -> dict:
-    cpu, vendor, flags, memory_kib = platform.processor() or "unknown", "unknown", set(), 0
+def _cpuinfo() -> tuple[dict[str, str], set[str]]:
+    """/proc/cpuinfo's first value of each key (the first CPU's), and its ISA flags (x86's
+    `flags`, arm64's `Features`); empty where there is none."""
+    facts: dict[str, str] = {}
     try:
         for line in Path("/proc/cpuinfo").read_text().splitlines():
-            key, _, value = line.partition(":")
-            if key.strip() == "model name" and cpu in ("unknown", platform.processor()):
-                cpu = value.strip()
-            elif key.strip() in ("vendor_id", "CPU implementer") and vendor == "unknown":
-                vendor = value.strip()
-            elif key.strip() in ("flags", "Features") and not flags:
-                flags = set(value.split())
+            key, _, value = (part.strip() for part in line.partition(":"))
+            facts.setdefault(key, value)
+    except OSError:
+        pass
+    return facts, set((facts.get("flags") or facts.get("Features") or "").split())
+
+
+def machine_facts() -> dict:
+    facts, flags = _cpuinfo()
+    cpu = facts.get("model name") or platform.processor() or "unknown"
+    vendor = facts.get("vendor_id") or facts.get("CPU implementer") or "unknown"
+    memory_kib = 0
+    try:
         for line in Path("/proc/meminfo").read_text().splitlines():
             if line.startswith("MemTotal:"):
                 memory_kib = int(line.split()[1])
@@ -55,17 +63,7 @@ def machine_facts() -> dict:
 def machine_label() -> str:
     """One line that tells this CPU from the others a long sweep may run on: its model, family
     and model numbers (AMD's names repeat across generations) and the ISA flags that matter."""
-    facts: dict[str, str] = {}
-    flags: set[str] = set()
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            key, _, value = (part.strip() for part in line.partition(":"))
-            if key in ("model name", "cpu family", "model", "CPU part") and key not in facts:
-                facts[key] = value
-            elif key in ("flags", "Features") and not flags:
-                flags = set(value.split())
-    except OSError:
-        pass
+    facts, flags = _cpuinfo()
     name = facts.get("model name") or platform.processor() or platform.machine() or "unknown"
     ids = ", ".join(f"{k} {facts[k]}" for k in ("cpu family", "model", "CPU part") if k in facts)
     isa = " ".join(f for f in ISA_FLAGS if f in flags) or "no listed ISA flags"
