@@ -40,9 +40,13 @@ $(QWEN_STAMP): $(STAMP)
 	$(VENV)/bin/speedkv models --install $(QWEN)
 	touch $(QWEN_STAMP)
 
-# speedkv's suite, then the vLLM backend's tests in the environment that has vLLM
+# speedkv's suite, then the vLLM backend's tests in the environment that has vLLM. The suite
+# runs in two pytest-xdist workers, a test file each at a time: much of it is starting
+# processes and tiny models, which one core leaves half the machine idle for. The vLLM tests
+# bind their engines to the cores, so they run one at a time.
+TEST_WORKERS ?= 2
 test: install qwen vllm-venv vllm-qwen
-	$(PY) -m pytest -q
+	$(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadfile
 	$(VLLM_VENV)/bin/python -m pytest -q tests/vllm_backend
 
 lint: install

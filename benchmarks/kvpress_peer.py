@@ -22,6 +22,10 @@ environment, and this script has two halves:
   once, and runs kvpress's own `KVPressTextGenerationPipeline` (pipeline("kv-press-text-
   generation")) on every job: greedy, max_new_tokens = RULER's tokens_to_generate for the task,
   for each press and compression ratio and for press=None, kvpress's own full attention.
+  On a CPU whose oneDNN takes no bfloat16 (AVX2-only x86) the linear layers' products go
+  through float32's kernels with bfloat16's arithmetic (bfloat16 operands, float32 sums, one
+  rounding): torch's own bfloat16 product there is a plain loop. Each answer records which
+  (`linear`).
 
 Presses (--presses), each at kvpress's defaults but the ratio: snapkv (SnapKVPress: window 64,
 kernel 5), expected_attention, streaming_llm (4 sink tokens), tova, knorm, kvzip. All six run
@@ -212,6 +216,38 @@ def load_pipeline(model_dir: str):
     model.eval()
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
     return pipeline("kv-press-text-generation", model=model, tokenizer=tokenizer, device="cpu")
+
+
+LINEAR_IN_FLOAT32 = "bfloat16 operands, float32 sums, rounded once (torch's float32 kernels)"
+
+
+def products_in_float32(model, onednn_bf16: bool | None = None) -> bool:
+    """On a CPU whose oneDNN takes no bfloat16 (AVX2-only x86), torch's bfloat16 matrix product
+    is a plain loop, several times slower than float32's (a 4K prefill of SmolLM2: 130 s
+    against 31 s, one thread, AMD EPYC Zen 3). There each linear layer computes what a bfloat16
+    product computes elsewhere (bfloat16 operands, float32 sums, one rounding) with float32's
+    kernels, from a float32 copy of its weight made once (exact: every bfloat16 is a float32).
+    `onednn_bf16` defaults to this CPU's answer. Returns whether the layers were changed."""
+    import types
+
+    import torch
+    import torch.nn.functional as F
+
+    if onednn_bf16 is None:
+        onednn_bf16 = bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
+    if onednn_bf16:
+        return False
+
+    def forward(self, x):
+        return F.linear(x.float(), self.weight_float32, self.bias_float32).to(x.dtype)
+
+    for module in model.modules():
+        if isinstance(module, torch.nn.Linear) and module.weight.dtype == torch.bfloat16:
+            module.weight_float32 = module.weight.detach().float()
+            bias = module.bias
+            module.bias_float32 = None if bias is None else bias.detach().float()
+            module.forward = types.MethodType(forward, module)
+    return True
 
 
 def first_difference(a: list[int], b: list[int]) -> int | None:
@@ -532,6 +568,7 @@ def run_jobs(args) -> None:
         return
     t_load = time.perf_counter()
     pipe = load_pipeline(spec["model"])
+    linear = LINEAR_IN_FLOAT32 if products_in_float32(pipe.model) else DTYPE
     probe = Probe(pipe)
     # the first call pays for one-off set-up (thread pools, kernels): a short one before timing
     warm = dict(plan[0][0], context=plan[0][0]["context"][:2000], max_new_tokens=2)
@@ -552,7 +589,7 @@ def run_jobs(args) -> None:
             for (press, ratio), row in zip(group, rows):
                 method = method_name(press, ratio, setting)
                 row = {"job": job["key"], "method": method, "threads": spec["threads"],
-                       "machine": spec.get("machine"), **row}  # fmt: skip
+                       "machine": spec.get("machine"), "linear": linear, **row}  # fmt: skip
                 sink.write(json.dumps(row) + "\n")
                 sink.flush()
                 if kept:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import importlib.util
+import os
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -31,6 +32,16 @@ TINY = dict(
     pad_token_id=None,
     attn_implementation="eager",  # the dense reference runs transformers' own eager attention
 )
+
+
+def pytest_configure(config) -> None:
+    # under pytest-xdist (make test runs two workers), each worker and the processes it starts
+    # get their share of the cores: threads beyond them would only wait on each other
+    workers = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
+    if workers > 1:
+        threads = max(1, len(os.sched_getaffinity(0)) // workers)
+        os.environ.setdefault("OMP_NUM_THREADS", str(threads))
+        torch.set_num_threads(int(os.environ["OMP_NUM_THREADS"]))
 
 
 def pytest_addoption(parser) -> None:
@@ -103,11 +114,20 @@ def ruler_root(tmp_path_factory, smol_tokenizer) -> Path:
     """A RULER data directory holding every task's samples at `ruler_length`, seed 0: made once
     a session, as each task is a subprocess (test files that use it skip themselves where the
     speedkv[ruler] extra is missing)."""
+    from filelock import FileLock
+
     from speedkv.evals import ruler
 
-    root = tmp_path_factory.mktemp("ruler")
     wanted = [(task, ruler_length(task), RULER_SAMPLES) for task in ruler.TASKS]
-    ruler.ensure_samples(smol_tokenizer, wanted, 0, root)
+    if "PYTEST_XDIST_WORKER" not in os.environ:
+        root = tmp_path_factory.mktemp("ruler")
+        ruler.ensure_samples(smol_tokenizer, wanted, 0, root)
+        return root
+    # pytest-xdist: the workers share one folder (beside their own temporary ones); the first
+    # makes the samples, and the others wait for it and reuse them
+    root = tmp_path_factory.getbasetemp().parent / "ruler"
+    with FileLock(f"{root}.lock"):
+        ruler.ensure_samples(smol_tokenizer, wanted, 0, root)
     return root
 
 

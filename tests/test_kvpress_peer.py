@@ -129,6 +129,28 @@ def test_a_token_mismatch_is_reported(peer, samples):
     assert mismatches and "differ from the prompt's" in mismatches[0]
 
 
+@pytest.mark.parametrize("rows", [16, 1])
+def test_bfloat16_products_go_through_float32_where_onednn_refuses_bfloat16(peer, rows):
+    """Where oneDNN takes no bfloat16, a product is bfloat16 operands summed in float32 and
+    rounded once, by float32's kernels; elsewhere the layers are left as they are."""
+    import torch
+    import torch.nn.functional as F
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(64, 48), torch.nn.Linear(48, 8, bias=False))
+    model = model.to(torch.bfloat16)
+    x = torch.randn(1, rows, 64, dtype=torch.bfloat16)
+    assert not peer.products_in_float32(model, onednn_bf16=True)
+    assert "forward" not in vars(model[0])
+    assert peer.products_in_float32(model, onednn_bf16=False)
+    first, second = model[0], model[1]
+    hidden = F.linear(x.float(), first.weight.float(), first.bias.float()).bfloat16()
+    expected = F.linear(hidden.float(), second.weight.float()).bfloat16()
+    out = model(x)
+    assert out.dtype == torch.bfloat16
+    assert torch.equal(out, expected)
+
+
 KVPRESS_PYTHON = ROOT / ".venv-kvpress" / "bin" / "python"
 
 

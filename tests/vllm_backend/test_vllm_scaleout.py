@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import functools
 import math
-import os
 
 import pytest
 import torch
@@ -30,27 +29,24 @@ from speedkv.vllm.kv_spec import SpeedUpperSpec
 from speedkv.vllm.offline import VllmEngine
 from speedkv.vllm.settings import SpeedSettings, rank_split
 
-from conftest import LENGTHS, NEW, fake_config, run_vllm, upper_rows
+from conftest import LENGTHS, LONG_TESTS, NEW, fake_config, run_vllm, upper_rows
 
 QWEN = "qwen2.5-coder-0.5b"
 
 
 QWEN_METHOD = "speed:lcut=18,anchors=sink:4,deep=1"  # the shipped adapter's cut, 18 of 24 layers
 # the whole mixed batch on more ranks and budgets: about 7 minutes, run on demand
-LONG = pytest.mark.skipif(not os.environ.get("SPEEDKV_LONG_TESTS"),
-                          reason="SPEEDKV_LONG_TESTS=1 runs it (about 7 minutes)")  # fmt: skip
+LONG = pytest.mark.skipif(not LONG_TESTS, reason="SPEEDKV_LONG_TESTS=1 runs it (about 7 minutes)")
 
 
 def test_smollm2_with_three_tensor_parallel_ranks(directory, prompts, reference):
-    """9 query and 3 KV heads over 3 ranks: every rank runs the same full-depth rows. The
-    mixed batch but its 3000-token prompt keeps the suite's time in bounds (SPEEDKV_LONG_TESTS
-    runs the whole batch, compiled)."""
+    """9 query and 3 KV heads over 3 ranks: every rank runs the same full-depth rows
+    (SPEEDKV_LONG_TESTS runs it compiled too)."""
     method = "speed:lcut=22,anchors=bos,deep=4"
-    batch = prompts[:-1]
-    run = run_vllm(directory, batch, NEW, **engine_args(method, directory),
+    run = run_vllm(directory, prompts, NEW, **engine_args(method, directory),
                    tensor_parallel_size=3)  # fmt: skip
-    assert run.tokens == reference(method, batch)
-    assert run.rank_rows == [upper_rows(batch, 1, 4, NEW)] * 3
+    assert run.tokens == reference(method, prompts)
+    assert run.rank_rows == [upper_rows(prompts, 1, 4, NEW)] * 3
 
 
 @pytest.mark.parametrize(

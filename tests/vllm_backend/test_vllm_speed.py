@@ -1,5 +1,6 @@
 """The vLLM backend against speedkv's own engine on SmolLM2-135M: float32, greedy, a batch of
-prompts from 1 to 3000 tokens; again with chunked prefill and with preemption forced."""
+prompts from 1 to 1700 tokens (and 3000 with SPEEDKV_LONG_TESTS); again with chunked prefill
+and with preemption forced."""
 
 from __future__ import annotations
 
