@@ -119,13 +119,12 @@ def ruler_root(tmp_path_factory, smol_tokenizer) -> Path:
     from speedkv.evals import ruler
 
     wanted = [(task, ruler_length(task), RULER_SAMPLES) for task in ruler.TASKS]
-    if "PYTEST_XDIST_WORKER" not in os.environ:
+    # under pytest-xdist the workers share one folder (beside their own temporary ones): the
+    # first makes the samples, and the others wait for it and reuse them
+    if "PYTEST_XDIST_WORKER" in os.environ:
+        root = tmp_path_factory.getbasetemp().parent / "ruler"
+    else:
         root = tmp_path_factory.mktemp("ruler")
-        ruler.ensure_samples(smol_tokenizer, wanted, 0, root)
-        return root
-    # pytest-xdist: the workers share one folder (beside their own temporary ones); the first
-    # makes the samples, and the others wait for it and reuse them
-    root = tmp_path_factory.getbasetemp().parent / "ruler"
     with FileLock(f"{root}.lock"):
         ruler.ensure_samples(smol_tokenizer, wanted, 0, root)
     return root
