@@ -7,7 +7,7 @@ PY     := $(VENV)/bin/python
 PIP    := $(PY) -m pip
 STAMP  := $(VENV)/.speedkv-installed
 
-.PHONY: install demo test lint clean bench bench-headline bench-qwen gpu-check gpu-wheels
+.PHONY: install demo test test-long lint clean bench bench-headline bench-qwen gpu-check gpu-wheels
 
 install: $(STAMP)
 
@@ -40,14 +40,20 @@ $(QWEN_STAMP): $(STAMP)
 	$(VENV)/bin/speedkv models --install $(QWEN)
 	touch $(QWEN_STAMP)
 
-# speedkv's suite, then the vLLM backend's tests in the environment that has vLLM. The suite
-# runs in two pytest-xdist workers, a test file each at a time: much of it is starting
-# processes and tiny models, which one core leaves half the machine idle for. The vLLM tests
-# bind their engines to the cores, so they run one at a time.
+# speedkv's suite, then the vLLM backend's tests in the environment that has vLLM. Each runs
+# in two pytest-xdist workers, a test file each at a time: much of it is starting processes,
+# tiny models and vLLM's scheduling, which one core at a time leaves half the machine idle for.
+# Each worker's torch gets its share of the cores (tests/conftest.py). The two suites at once
+# gain nothing more: with two workers each, the cores are already busy.
 TEST_WORKERS ?= 2
 test: install qwen vllm-venv vllm-qwen
 	$(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadfile
-	$(VLLM_VENV)/bin/python -m pytest -q tests/vllm_backend
+	$(VLLM_VENV)/bin/python -m pytest -q -n $(TEST_WORKERS) --dist loadfile tests/vllm_backend
+
+# what `make test` leaves out for time: a 3000-token prompt in every vLLM batch test, and the
+# vLLM cases whose path another case of the suite already runs
+test-long:
+	SPEEDKV_LONG_TESTS=1 $(MAKE) test
 
 lint: install
 	$(VENV)/bin/ruff check src tests

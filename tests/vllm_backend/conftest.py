@@ -86,6 +86,8 @@ NEW = 8
 # split every long prompt either way). Without it the batch's tests take half the time.
 LONG_TESTS = bool(os.environ.get("SPEEDKV_LONG_TESTS"))
 LENGTHS = [1, 2, 5, 37, 300, 900, 1700] + ([3000] if LONG_TESTS else [])
+# what `make test` leaves to `make test-long`: the cases another CI case covers on the same path
+LONG = pytest.mark.skipif(not LONG_TESTS, reason="SPEEDKV_LONG_TESTS=1 (make test-long) runs it")
 
 
 @pytest.fixture(scope="session")

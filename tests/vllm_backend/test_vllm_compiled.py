@@ -8,17 +8,18 @@ import pytest
 
 from speedkv.vllm.args import engine_args
 
-from conftest import NEW, run_vllm, upper_rows
+from conftest import LONG, NEW, run_vllm, upper_rows
 
 
 @pytest.mark.parametrize(
     ("method", "anchors", "deep", "llm_args"),
     [
-        ("speed:lcut=22,anchors=bos,deep=1", 1, 1, {}),
-        # two upper KV cache groups, and chunks that split prompts anywhere
+        # two upper KV cache groups, and chunks that split prompts anywhere: `make test`
         ("speed:lcut=10,anchors=bos,deep=4", 1, 4, {"max_num_batched_tokens": 512}),
+        # one upper group, whole prompts: on demand (the same compiled stacks as above)
+        pytest.param("speed:lcut=22,anchors=bos,deep=1", 1, 1, {}, marks=LONG),
     ],
-    ids=["lcut22", "lcut10-chunked"],
+    ids=["lcut10-chunked", "lcut22"],
 )
 def test_compiled_speed_equals_the_engine(directory, prompts, reference, method, anchors, deep,
                                           llm_args):  # fmt: skip

@@ -29,19 +29,19 @@ from speedkv.vllm.kv_spec import SpeedUpperSpec
 from speedkv.vllm.offline import VllmEngine
 from speedkv.vllm.settings import SpeedSettings, rank_split
 
-from conftest import LENGTHS, LONG_TESTS, NEW, fake_config, run_vllm, upper_rows
+from conftest import LENGTHS, LONG, NEW, fake_config, run_vllm, upper_rows
 
 QWEN = "qwen2.5-coder-0.5b"
 
 
 QWEN_METHOD = "speed:lcut=18,anchors=sink:4,deep=1"  # the shipped adapter's cut, 18 of 24 layers
-# the whole mixed batch on more ranks and budgets: about 7 minutes, run on demand
-LONG = pytest.mark.skipif(not LONG_TESTS, reason="SPEEDKV_LONG_TESTS=1 runs it (about 7 minutes)")
 
 
+# tensor parallel in `make test` is Qwen2.5 on 2 ranks; SmolLM2 on 3 is on demand
+@LONG
 def test_smollm2_with_three_tensor_parallel_ranks(directory, prompts, reference):
-    """9 query and 3 KV heads over 3 ranks: every rank runs the same full-depth rows
-    (SPEEDKV_LONG_TESTS runs it compiled too)."""
+    """9 query and 3 KV heads over 3 ranks: every rank runs the same full-depth rows (and
+    compiled, below)."""
     method = "speed:lcut=22,anchors=bos,deep=4"
     run = run_vllm(directory, prompts, NEW, **engine_args(method, directory),
                    tensor_parallel_size=3)  # fmt: skip
