@@ -28,6 +28,11 @@ os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
 # the tests read counters off the workers (collective_rpc with a function): with worker
 # processes (tensor parallel) vLLM pickles the function, which it allows only when asked
 os.environ.setdefault("VLLM_ALLOW_INSECURE_SERIALIZATION", "1")
+# under pytest-xdist two workers may compile the same engine at once, and vLLM writes its
+# compile cache's files in place: each worker keeps a cache of its own
+if worker := os.environ.get("PYTEST_XDIST_WORKER"):
+    caches = os.environ.get("XDG_CACHE_HOME", os.path.expanduser("~/.cache"))
+    os.environ.setdefault("VLLM_CACHE_ROOT", os.path.join(caches, "vllm", f"pytest-{worker}"))
 
 
 @dataclass
