@@ -25,21 +25,20 @@ where the CPU has AVX512-BF16: elsewhere their libraries build without them.
 from __future__ import annotations
 
 import contextlib
-import fcntl
 import functools
 import hashlib
 import os
 import platform
 import re
 import subprocess
-import time
 import warnings
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
 
 from speedkv.hf.loading import cache_dir
+from speedkv.locks import exclusive
 from speedkv.log import log
 
 CSRC = Path(__file__).parent / "csrc"
@@ -215,27 +214,6 @@ def _source_key(name: str, source_dir: Path) -> str:
         if (source_dir / header).is_file():
             digest.update((source_dir / header).read_bytes())
     return digest.hexdigest()[:10]
-
-
-@contextlib.contextmanager
-def exclusive(path: Path, timeout: float) -> Iterator[bool]:
-    """An exclusive flock on `path` (True), or False after `timeout` seconds of waiting. The
-    system drops the lock when its holder exits, however it exits."""
-    with path.open("a") as handle:
-        deadline = time.monotonic() + timeout
-        while True:
-            try:
-                fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
-                break
-            except BlockingIOError:
-                if time.monotonic() > deadline:
-                    yield False
-                    return
-                time.sleep(0.5)
-        try:
-            yield True
-        finally:
-            fcntl.flock(handle, fcntl.LOCK_UN)
 
 
 _reported: set[str] = set()

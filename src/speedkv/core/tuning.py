@@ -36,6 +36,7 @@ import torch.nn.functional as F
 
 from speedkv.core import native
 from speedkv.hf import fused, layer_work
+from speedkv.locks import exclusive
 from speedkv.log import log
 
 NATIVE, TORCH = "native", "torch"
@@ -104,7 +105,7 @@ def kernel_choice() -> KernelChoice:
     stored = _stored(path)
     if stored is not None:
         return stored
-    with native.exclusive(path.with_suffix(".lock"), 600) as held:
+    with exclusive(path.with_suffix(".lock"), 600) as held:
         stored = _stored(path) if held else None  # another process may have measured
         if stored is not None:
             return stored

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import copy
 import json
+import shutil
 import warnings
 from dataclasses import asdict
 from pathlib import Path
@@ -99,7 +100,7 @@ def merged_directory(model: str, adapter_dir: str | Path) -> Path:
     into the cache (float32): how another engine, such as vLLM, runs a trained adapter."""
     import hashlib
 
-    from speedkv.hf.loading import cache_dir, load_model, model_directory
+    from speedkv.hf.loading import cache_dir, load_model, model_directory, only_one_process
 
     adapter = Path(adapter_dir)
     read_adapter_info(adapter)  # a clear error for a directory that is not an adapter
@@ -111,10 +112,15 @@ def merged_directory(model: str, adapter_dir: str | Path) -> Path:
     target = cache_dir() / "merged" / f"{base.name}+{adapter.name}-{digest.hexdigest()[:12]}"
     if (target / "config.json").is_file():
         return target
-    merged = apply_adapter(load_model(model, dtype="float32", device="cpu", progress=False),
-                           adapter)  # fmt: skip
-    partial = target.with_name(target.name + ".partial")
-    merged.hf_model.save_pretrained(partial)
-    merged.tokenizer.save_pretrained(partial)
-    partial.replace(target)
+    target.parent.mkdir(parents=True, exist_ok=True)
+    with only_one_process(target, f"merging {adapter.name}"):
+        if not (target / "config.json").is_file():  # another process may have merged it meanwhile
+            merged = apply_adapter(
+                load_model(model, dtype="float32", device="cpu", progress=False), adapter
+            )
+            partial = target.with_name(target.name + ".partial")
+            shutil.rmtree(partial, ignore_errors=True)  # left by a merge killed halfway
+            merged.hf_model.save_pretrained(partial)
+            merged.tokenizer.save_pretrained(partial)
+            partial.replace(target)
     return target

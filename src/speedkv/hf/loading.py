@@ -13,12 +13,14 @@ loads read that directory in about a second.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import importlib.util
 import json
 import os
 import shutil
 import sys
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -28,9 +30,11 @@ from speedkv.errors import UserError
 from speedkv.hf.backbone import SUPPORTED_MODEL_TYPES, Backbone, ModelShape, check_supported
 from speedkv.hf.int8 import check_weights, quantize_model
 from speedkv.hf.text import starts_with_bos
+from speedkv.locks import exclusive
 from speedkv.log import log
 
 DEFAULT_MODEL = "smollm2-135m"
+CONVERSION_LOCK_TIMEOUT = 1800.0  # seconds; converting the largest embedded model takes minutes
 
 
 @dataclass(frozen=True)
@@ -274,15 +278,18 @@ def _embedded_directory(model: EmbeddedModel, progress: bool) -> Path:
     if len(parts) == 1:
         return convert_gguf(parts[0], progress)
     assembled = cache_dir() / "gguf" / f"{model.name}.gguf"
-    if not assembled.exists() or assembled.stat().st_size != sum(p.stat().st_size for p in parts):
+    size = sum(p.stat().st_size for p in parts)
+    if not assembled.exists() or assembled.stat().st_size != size:
         assembled.parent.mkdir(parents=True, exist_ok=True)
-        _log(progress, f"assembling {model.name} from {len(parts)} parts -> {assembled}")
-        tmp = assembled.with_suffix(".partial")
-        with tmp.open("wb") as out:
-            for part in parts:
-                with part.open("rb") as src:
-                    shutil.copyfileobj(src, out, 16 << 20)
-        tmp.replace(assembled)
+        with only_one_process(assembled, f"assembling {model.name}"):
+            if not assembled.exists() or assembled.stat().st_size != size:  # nobody did meanwhile
+                _log(progress, f"assembling {model.name} from {len(parts)} parts -> {assembled}")
+                tmp = assembled.with_suffix(".partial")
+                with tmp.open("wb") as out:
+                    for part in parts:
+                        with part.open("rb") as src:
+                            shutil.copyfileobj(src, out, 16 << 20)
+                tmp.replace(assembled)
     return convert_gguf(assembled, progress)
 
 
@@ -303,7 +310,7 @@ def convert_gguf(path: Path, progress: bool = True) -> Path:
     stat = path.stat()
     key = hashlib.sha256(f"{path.resolve()}|{stat.st_size}|{int(stat.st_mtime)}".encode())
     target = cache_dir() / "models" / f"{path.stem}-{key.hexdigest()[:12]}"
-    if (target / "model.safetensors").exists():
+    if _converted(target):
         return target
     arch = gguf_architecture(path)
     gguf_types = {"llama": "llama", "qwen2": "qwen2", "mistral": "mistral", "qwen3": "qwen3"}
@@ -312,16 +319,38 @@ def convert_gguf(path: Path, progress: bool = True) -> Path:
             f"GGUF architecture '{arch}' is not supported; speedkv runs "
             f"{', '.join(SUPPORTED_MODEL_TYPES)} decoders"
         )
-    _log(progress, f"converting {path.name} to float weights (once; cached in {target})")
-    _write_hf_directory(path, target)
+    target.parent.mkdir(parents=True, exist_ok=True)
+    with only_one_process(target, f"converting {path.name}"):
+        if not _converted(target):  # another process may have converted it meanwhile
+            _log(progress, f"converting {path.name} to float weights (once; cached in {target})")
+            _write_hf_directory(path, target)
     return target
+
+
+def _converted(target: Path) -> bool:
+    # the directory appears whole (one rename of a finished staging directory)
+    return (target / "config.json").is_file() and (target / "model.safetensors").is_file()
+
+
+@contextlib.contextmanager
+def only_one_process(target: Path, work: str) -> Iterator[None]:
+    """Hold `target`'s lock, so that processes started together (server workers, test workers)
+    do `work` once rather than overwrite each other's half-written files."""
+    lock = target.with_name(target.name + ".lock")
+    with exclusive(lock, CONVERSION_LOCK_TIMEOUT) as held:
+        if not held:
+            raise UserError(
+                f"another process has been {work} into {target} for "
+                f"{CONVERSION_LOCK_TIMEOUT:.0f} s; wait for it or remove {target}"
+            )
+        yield
 
 
 def _write_hf_directory(path: Path, target: Path) -> None:
     from safetensors.torch import save_file
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    tmp = target.with_name(target.name + ".partial")
+    tmp = target.with_name(target.name + ".partial")  # ours alone: the caller holds the lock
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir(parents=True)
     model = AutoModelForCausalLM.from_pretrained(

@@ -1,0 +1,63 @@
+"""The model cache under processes started together: an embedded GGUF is converted once, and
+nobody reads a half-written directory (server workers and pytest-xdist workers start at once)."""
+
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+import pytest
+
+from speedkv.errors import UserError
+from speedkv.hf import loading
+
+
+@pytest.fixture
+def llama_gguf(tmp_path, monkeypatch):
+    """A GGUF that declares a Llama (header only), with a fresh cache for its conversion."""
+    from gguf import GGUFWriter
+
+    path = tmp_path / "tiny-llama.gguf"
+    writer = GGUFWriter(str(path), "llama")
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    monkeypatch.setenv("SPEEDKV_CACHE", str(tmp_path / "cache"))
+    return path
+
+
+def test_conversions_started_together_write_once(llama_gguf, monkeypatch):
+    writes = []
+
+    def slow_conversion(path, target):  # stands in for the dequantisation: files, then a rename
+        writes.append(target)
+        staging = target.with_name(target.name + ".partial")
+        staging.mkdir()
+        (staging / "config.json").write_text("{}")
+        time.sleep(0.5)  # a reader without the lock would find config.json and no weights
+        (staging / "model.safetensors").write_bytes(b"weights")
+        staging.rename(target)
+
+    monkeypatch.setattr(loading, "_write_hf_directory", slow_conversion)
+    with ThreadPoolExecutor(3) as pool:
+        directories = list(pool.map(lambda _: loading.convert_gguf(llama_gguf, False), range(3)))
+    assert len(writes) == 1
+    assert directories == [writes[0]] * 3
+    assert (writes[0] / "model.safetensors").read_bytes() == b"weights"
+
+
+def test_waiting_too_long_for_another_conversion_is_one_sentence(llama_gguf, monkeypatch):
+    release = threading.Event()
+
+    def stuck_conversion(path, target):
+        release.wait(10)
+
+    monkeypatch.setattr(loading, "_write_hf_directory", stuck_conversion)
+    monkeypatch.setattr(loading, "CONVERSION_LOCK_TIMEOUT", 0.3)
+    with ThreadPoolExecutor(1) as pool:
+        first = pool.submit(loading.convert_gguf, llama_gguf, False)
+        time.sleep(0.2)  # let it take the lock
+        with pytest.raises(UserError, match="another process has been converting tiny-llama"):
+            loading.convert_gguf(llama_gguf, False)
+        release.set()
+        first.result()
