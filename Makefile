@@ -43,12 +43,14 @@ $(QWEN_STAMP): $(STAMP)
 # speedkv's suite, then the vLLM backend's tests in the environment that has vLLM. Each runs
 # in two pytest-xdist workers, a test file each at a time: much of it is starting processes,
 # tiny models and vLLM's scheduling, which one core at a time leaves half the machine idle for.
-# Each worker's torch gets its share of the cores (tests/conftest.py). The two suites at once
-# gain nothing more: with two workers each, the cores are already busy.
+# Each worker's torch gets its share of the cores (tests/conftest.py). Files are handed out
+# slowest first, in tests/conftest.py's order (not xdist's, by number of tests). The two suites
+# at once gain nothing more: with two workers each, the cores are already busy.
 TEST_WORKERS ?= 2
+XDIST := -n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder
 test: install qwen vllm-venv vllm-qwen
-	$(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadfile
-	$(VLLM_VENV)/bin/python -m pytest -q -n $(TEST_WORKERS) --dist loadfile tests/vllm_backend
+	$(PY) -m pytest -q $(XDIST)
+	$(VLLM_VENV)/bin/python -m pytest -q $(XDIST) tests/vllm_backend
 
 # what `make test` leaves out for time: a 3000-token prompt in every vLLM batch test, and the
 # vLLM cases whose path another case of the suite already runs
