@@ -127,3 +127,15 @@ def ruler_length(task: str) -> int:
     from speedkv.evals import ruler
 
     return max(RULER_SHORT, ruler.min_length(task))
+
+
+def header_only_gguf(path: Path, architecture: str) -> Path:
+    """A GGUF file that declares `architecture` and holds nothing else."""
+    from gguf import GGUFWriter
+
+    writer = GGUFWriter(str(path), architecture)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return path

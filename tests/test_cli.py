@@ -4,7 +4,7 @@ import json
 
 import pytest
 
-from helpers import run_cli
+from helpers import header_only_gguf, run_cli
 
 
 @pytest.mark.parametrize(
@@ -33,14 +33,7 @@ def test_bad_input_before_the_model_loads(args, message, monkeypatch, capsys):
 
 
 def test_unsupported_gguf_architecture(tmp_path, monkeypatch, capsys):
-    from gguf import GGUFWriter
-
-    path = tmp_path / "tiny-gpt2.gguf"
-    writer = GGUFWriter(str(path), "gpt2")
-    writer.write_header_to_file()
-    writer.write_kv_data_to_file()
-    writer.write_tensors_to_file()
-    writer.close()
+    path = header_only_gguf(tmp_path / "tiny-gpt2.gguf", "gpt2")
     monkeypatch.setenv("SPEEDKV_CACHE", str(tmp_path / "cache"))
     code, _, err = run_cli(["generate", "hi", "--model", str(path)], monkeypatch, capsys)
     assert code == 2 and "GGUF architecture 'gpt2' is not supported" in err

@@ -10,20 +10,14 @@ import pytest
 from speedkv.errors import UserError
 from speedkv.hf import loading
 
+from helpers import header_only_gguf
+
 
 @pytest.fixture
 def llama_gguf(tmp_path, monkeypatch):
     """A GGUF that declares a Llama (header only), with a fresh cache for its conversion."""
-    from gguf import GGUFWriter
-
-    path = tmp_path / "tiny-llama.gguf"
-    writer = GGUFWriter(str(path), "llama")
-    writer.write_header_to_file()
-    writer.write_kv_data_to_file()
-    writer.write_tensors_to_file()
-    writer.close()
     monkeypatch.setenv("SPEEDKV_CACHE", str(tmp_path / "cache"))
-    return path
+    return header_only_gguf(tmp_path / "tiny-llama.gguf", "llama")
 
 
 def test_conversions_started_together_write_once(llama_gguf, monkeypatch):
