@@ -1,5 +1,5 @@
 """The model cache under processes started together: an embedded GGUF is converted once, and
-nobody reads a half-written directory (server workers and pytest-xdist workers start at once)."""
+nobody reads a half-written directory (two commands, or pytest-xdist workers, start at once)."""
 
 import threading
 import time

@@ -112,7 +112,6 @@ def merged_directory(model: str, adapter_dir: str | Path) -> Path:
     target = cache_dir() / "merged" / f"{base.name}+{adapter.name}-{digest.hexdigest()[:12]}"
     if (target / "config.json").is_file():
         return target
-    target.parent.mkdir(parents=True, exist_ok=True)
     with only_one_process(target, f"merging {adapter.name}"):
         if not (target / "config.json").is_file():  # another process may have merged it meanwhile
             merged = apply_adapter(

