@@ -55,3 +55,36 @@ def test_waiting_too_long_for_another_conversion_is_one_sentence(llama_gguf, mon
             loading.convert_gguf(llama_gguf, False)
         release.set()
         first.result()
+
+
+def recorded_conversions(monkeypatch) -> list:
+    """Conversions that write a directory (config and weights), each target recorded."""
+    writes = []
+
+    def conversion(path, target):
+        writes.append(target)
+        target.mkdir(parents=True)
+        (target / "config.json").write_text("{}")
+        (target / "model.safetensors").write_bytes(path.read_bytes())
+
+    monkeypatch.setattr(loading, "_write_hf_directory", conversion)
+    return writes
+
+
+def test_copies_of_one_file_share_one_conversion(llama_gguf, tmp_path, monkeypatch):
+    """Another environment's copy of the embedded file, or a reinstall, is the same model."""
+    writes = recorded_conversions(monkeypatch)
+    elsewhere = tmp_path / "other-venv" / llama_gguf.name
+    elsewhere.parent.mkdir()
+    elsewhere.write_bytes(llama_gguf.read_bytes())  # another path, inode and mtime
+    assert loading.convert_gguf(llama_gguf, False) == loading.convert_gguf(elsewhere, False)
+    assert len(writes) == 1
+
+
+def test_a_changed_file_converts_anew(llama_gguf, monkeypatch):
+    writes = recorded_conversions(monkeypatch)
+    first = loading.convert_gguf(llama_gguf, False)
+    llama_gguf.write_bytes(llama_gguf.read_bytes() + b"\0")  # new bytes in the same place
+    second = loading.convert_gguf(llama_gguf, False)
+    assert first != second and writes == [first, second]
+    assert (second / "model.safetensors").read_bytes() == llama_gguf.read_bytes()

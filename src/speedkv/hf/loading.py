@@ -20,6 +20,7 @@ import json
 import os
 import shutil
 import sys
+import tempfile
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -305,10 +306,10 @@ def gguf_architecture(path: Path) -> str:
 
 
 def convert_gguf(path: Path, progress: bool = True) -> Path:
-    """Dequantise a GGUF once into an HF directory in the cache; return that directory."""
-    stat = path.stat()
-    key = hashlib.sha256(f"{path.resolve()}|{stat.st_size}|{int(stat.st_mtime)}".encode())
-    target = cache_dir() / "models" / f"{path.stem}-{key.hexdigest()[:12]}"
+    """Dequantise a GGUF once into an HF directory in the cache; return that directory. It is
+    named by the file's bytes, so every copy of one file (another environment's, a reinstall)
+    shares it."""
+    target = cache_dir() / "models" / f"{path.stem}-{content_digest(path)[:12]}"
     if _converted(target):
         return target
     arch = gguf_architecture(path)
@@ -323,6 +324,29 @@ def convert_gguf(path: Path, progress: bool = True) -> Path:
             _log(progress, f"converting {path.name} to float weights (once; cached in {target})")
             _write_hf_directory(path, target)
     return target
+
+
+def content_digest(path: Path) -> str:
+    """The sha256 of a file's bytes, remembered per path, size and modification time, so that
+    each version of a file is read once (about a second per 500 MB)."""
+    stat = path.stat()
+    where = f"{path.resolve()}|{stat.st_size}|{stat.st_mtime_ns}|{stat.st_ino}"
+    memo = cache_dir() / "digests" / hashlib.sha256(where.encode()).hexdigest()[:32]
+    with contextlib.suppress(OSError):
+        known = memo.read_text()
+        if len(known) == 64:
+            return known
+    digest = hashlib.sha256()
+    with path.open("rb") as source:
+        while block := source.read(16 << 20):
+            digest.update(block)
+    # written whole or not at all: a reader never sees half a digest
+    memo.parent.mkdir(parents=True, exist_ok=True)
+    handle, staging = tempfile.mkstemp(dir=memo.parent, prefix=f"{memo.name}.")
+    with os.fdopen(handle, "w") as out:
+        out.write(digest.hexdigest())
+    os.replace(staging, memo)
+    return digest.hexdigest()
 
 
 def _converted(target: Path) -> bool:
