@@ -104,3 +104,13 @@ def test_models_lists_the_embedded_models(monkeypatch, capsys):
     rows = {r["name"]: r for r in json.loads(out)}
     assert code == 0 and rows["smollm2-135m"]["installed"] is True
     assert "qwen2.5-coder-0.5b" in rows
+
+
+def test_models_says_where_the_cache_is_and_its_size(tmp_path, monkeypatch, capsys):
+    for name, size in [("models/m/model.safetensors", 1_400_000_000), ("kernels/k.so", 10**8)]:
+        (tmp_path / name).parent.mkdir(parents=True)
+        with (tmp_path / name).open("wb") as sparse:  # its size, without the disk space
+            sparse.truncate(size)
+    monkeypatch.setenv("SPEEDKV_CACHE", str(tmp_path))
+    code, out, _ = run_cli(["models"], monkeypatch, capsys)
+    assert code == 0 and f"{tmp_path}, 1.5 GB" in out

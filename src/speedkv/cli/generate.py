@@ -202,7 +202,7 @@ def models(
     as_json: AsJson = False,
 ) -> None:
     """List the embedded models, their sizes and whether they are installed."""
-    from speedkv.hf.loading import EMBEDDED, install_embedded
+    from speedkv.hf.loading import EMBEDDED, cache_usage, install_embedded
 
     if install:
         install_embedded(install)
@@ -226,3 +226,7 @@ def models(
         print(f"{row['name']:<20} {size:>8}  {installed:<9}  {row['description']}")
     if not all(r["installed"] for r in rows):
         print("\ninstall one with: speedkv models --install NAME")
+    cache, used = cache_usage()
+    print(f"\nspeedkv's cache (converted weights, merged adapters, built kernels, RULER "
+          f"samples): {cache}, {used / 1e9:.1f} GB; what is deleted there is made again when "
+          "next needed")  # fmt: skip

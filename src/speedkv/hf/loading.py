@@ -148,6 +148,17 @@ def cache_dir() -> Path:
     return Path(os.environ.get("SPEEDKV_CACHE", Path.home() / ".cache" / "speedkv"))
 
 
+def cache_usage() -> tuple[Path, int]:
+    """The cache folder and the bytes its files take (converted models, merged adapters, built
+    kernels, RULER samples)."""
+    root, used = cache_dir(), 0
+    for path in root.rglob("*"):
+        with contextlib.suppress(OSError):  # a staging file renamed meanwhile
+            if path.is_file() and not path.is_symlink():
+                used += path.stat().st_size
+    return root, used
+
+
 def resolve_dtype(dtype: str | torch.dtype, device: torch.device) -> torch.dtype:
     """'auto' is bfloat16 on GPUs and on CPUs with bf16 matrix instructions, else float32."""
     if isinstance(dtype, torch.dtype):
