@@ -44,30 +44,31 @@ def pytest_configure(config) -> None:
         torch.set_num_threads(int(os.environ["OMP_NUM_THREADS"]))
 
 
-# Test files slowest first: seconds each in `make test`'s two workers, the vLLM suite with empty
-# caches, on 2 cores of an AMD EPYC Zen 3 (AVX2 only, 2026-11-27; each suite's `--durations=0`,
-# summed per file). `make test` runs pytest-xdist with `--dist loadfile --no-loadscope-reorder`:
-# files are handed out in this order, so the long ones start first and no worker is left alone
-# with one at the end. Files not named keep their place after these.
+# Test files slowest first: seconds each in `make test`'s two workers (the vLLM suite as it runs
+# after the main one: converted models reused, vLLM's compile cache empty), on 2 cores of an AMD
+# EPYC Zen 3 (AVX2 only, 2026-11-27; each suite's `--durations=0`, summed per file). `make test`
+# runs pytest-xdist with `--dist loadfile --no-loadscope-reorder`: files are handed out in this
+# order, so the long ones start first and no worker is left alone with one at the end. Files not
+# named keep their place after these.
 SLOWEST_FIRST = (
-    "test_vllm_prefix_cache.py",  # 609
-    "test_vllm_scaleout.py",  # 485
-    "test_vllm_speed.py",  # 368
+    "test_vllm_prefix_cache.py",  # 476
+    "test_vllm_scaleout.py",  # 418
     "test_readme.py",  # 366
+    "test_vllm_speed.py",  # 342
     "test_ruler.py",  # 247, with the RULER samples the later ruler files reuse
     "test_server.py",  # 156
-    "test_vllm_serve.py",  # 138
-    "test_vllm_kv_blocks.py",  # 124
-    "test_vllm_compiled.py",  # 122
+    "test_vllm_serve.py",  # 130
+    "test_vllm_compiled.py",  # 119
     "test_native_builds.py",  # 114
     "test_kernel_paths.py",  # 105
-    "test_readme_vllm.py",  # 84
     "test_ruler_served.py",  # 84
-    "test_vllm_cli.py",  # 63
+    "test_vllm_kv_blocks.py",  # 77
+    "test_readme_vllm.py",  # 75
+    "test_vllm_cli.py",  # 56
     "test_real_qwen.py",  # 49
     "test_kvpress_peer.py",  # 47
+    "test_vllm_refusals.py",  # 42
     "test_prefix_reuse.py",  # 41
-    "test_vllm_refusals.py",  # 39
     "test_evals.py",  # 36
     "test_gpu_check.py",  # 35
 )

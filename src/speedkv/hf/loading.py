@@ -339,7 +339,7 @@ def convert_gguf(path: Path, progress: bool = True) -> Path:
 
 def content_digest(path: Path) -> str:
     """The sha256 of a file's bytes, remembered per path, size and modification time, so that
-    each version of a file is read once (about a second per 500 MB)."""
+    each version of a file is read once (about a second a gigabyte)."""
     stat = path.stat()
     where = f"{path.resolve()}|{stat.st_size}|{stat.st_mtime_ns}|{stat.st_ino}"
     memo = cache_dir() / "digests" / hashlib.sha256(where.encode()).hexdigest()[:32]
