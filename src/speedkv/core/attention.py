@@ -22,7 +22,6 @@ import functools
 import torch
 import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
-from torch.nn.attention.bias import causal_lower_right
 
 from speedkv.core.native import has_prefill_kernel
 from speedkv.core.tuning import engine_kernels
@@ -48,6 +47,9 @@ def prefill_attention(
     elif n_q == n_k:
         out = F.scaled_dot_product_attention(q[None], k[None], v[None], is_causal=True, **kwargs)
     else:
+        # imported here: the module pulls in torch._dynamo, two seconds of every start
+        from torch.nn.attention.bias import causal_lower_right
+
         bias = causal_lower_right(n_q, n_k)
         out = F.scaled_dot_product_attention(q[None], k[None], v[None], attn_mask=bias, **kwargs)
     return out[0]
