@@ -68,7 +68,7 @@ def newcomer(tmp_path_factory) -> Path:
     (home / "adapters").symlink_to(ROOT / "adapters")
     from speedkv.prompts.haystack import essays
 
-    text = " ".join(list(essays().values())[:2])[:6000]
+    text = " ".join(list(essays().values())[:2])[:3000]  # about 630 tokens
     (home / "doc.txt").write_text(f"{text}\n\nWhat is the main point of the text above?\n")
     return home
 
