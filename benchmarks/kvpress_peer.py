@@ -789,6 +789,20 @@ def summary(records: list[dict]) -> str:
     return "\n".join(lines)
 
 
+# where this machine keeps the converted weights: another machine (or a newer cache layout)
+# keeps the same weights elsewhere, and the model's name already says which they are
+MACHINE_LOCAL = ("hf_model",)
+
+
+def same_run(old: dict, new: dict) -> bool:
+    """Whether answers written under header `old` may be resumed under header `new`."""
+
+    def identity(header: dict) -> dict:
+        return {k: v for k, v in header.items() if k not in MACHINE_LOCAL}
+
+    return identity(old) == identity(new)
+
+
 def drive(args) -> None:
     from speedkv.bench.machine import machine_label
     from speedkv.cli.options import split_commas
@@ -856,7 +870,7 @@ def drive(args) -> None:
         sys.exit(1 if report["mismatches"] else 0)
     results = out / "kvpress-results.jsonl"
     first = results.read_text().splitlines()[:1] if results.exists() else []
-    if args.resume and first and json.loads(first[0]).get("header") != header:
+    if args.resume and first and not same_run(json.loads(first[0]).get("header") or {}, header):
         sys.exit(
             f"{results} was made with other settings ({first[0]}); use another --out, or the "
             "same kvpress, transformers, torch, model and seed"

@@ -205,3 +205,11 @@ def test_shared_prefills_give_the_pipeline_calls_answers(peer, samples, smol_tok
         assert {f: shared[key][f] for f in fields} == {f: row[f] for f in fields}, key
     kvzip = [r for r in own.values() if r["press"] == "kvzip"]
     assert all(r["kv_bytes_effective"] < r["kv_bytes"] for r in kvzip)  # its masks were set
+
+
+def test_a_sweep_resumes_wherever_the_converted_weights_live(peer):
+    header = {"peer": "kvpress", "model": "smollm2-135m", "hf_model": "/a/SmolLM2-1", "seed": 0}
+    moved = {**header, "hf_model": "/b/SmolLM2-2"}
+    assert peer.same_run(header, moved)
+    assert not peer.same_run(header, {**moved, "seed": 1})
+    assert not peer.same_run(header, {**moved, "model": "qwen2.5-coder-0.5b"})
