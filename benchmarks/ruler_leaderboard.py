@@ -377,18 +377,29 @@ def render(args, work: Path, out: Path) -> None:
     parts = [
         f"# {title}\n",
         f"Generated {time.strftime('%Y-%m-%d %H:%M')} by `benchmarks/ruler_leaderboard.py "
-        f"--render` from {len(dirs)} runs under {work}"
-        + (f" and {len(carried)} rows as published before" if carried else "")
+        "--render` from "
+        + " and ".join(
+            ([f"{len(dirs)} runs under {work}"] if dirs else [])
+            + ([f"{len(carried)} rows as published before"] if carried else [])
+        )
         + ". Scores in percent (RULER's metric per "
-        "task; the average is the mean of the 13 tasks, given once every task has samples). "
+        "task; the average is the mean of the 13 tasks, given once every task has samples; ± is "
+        "its 95 % margin from the samples' spread in each task). "
         "KV x: cache held at the first token against full attention's on the same prompts. "
         "TTFT x: "
-        + ("from a quiet `speedkv bench` at this length for speedkv's methods; " if ttft else "")
+        + (
+            "from a quiet `speedkv bench` at this length for speedkv's methods; "
+            if any(r.ttft_source == "bench" for r in rows)
+            else ""
+        )
         + "values marked * are medians of the per-sample ratios in the sweeps (kvpress's "
         "against its own pipeline without a press).\n",
         "## Leaderboard\n",
         board,
     ]
+    versus = lb.equal_kv_table(rows, args.length)
+    if versus:
+        parts += ["## SPEED against kvpress at equal KV\n", versus]
     for setting, table in per_task.items():
         parts += [f"## Per task, {lb.SETTING_LABELS[setting]}\n", table]
     if plot:
@@ -404,6 +415,8 @@ def render(args, work: Path, out: Path) -> None:
         captions = {lb.AWARE: "Per task, question in view (RULER's metric, percent):",
                     lb.AGNOSTIC: "Per task, context cached before the question:"}  # fmt: skip
         tables = [board]
+        if versus:
+            tables += ["SPEED against kvpress's presses at the same KV ratio:\n", versus]
         for setting, table in per_task.items():
             tables += [captions[setting] + "\n", table]
         if plot:

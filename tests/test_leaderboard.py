@@ -93,7 +93,9 @@ def test_adapter_and_settings_are_rows_of_their_own(tmp_path: Path) -> None:
     table = lb.leaderboard_table(rows, 4096)
     # one line per (method, adapter): both settings of the untrained SPEED share one
     assert table.count("SPEED-22 (") == 1 and table.count("SPEED-22 + adapter") == 1
-    assert "| 0.0 | 50.0 |" in table
+    # a task scored 0.5 may spread as far as one right and one wrong answer: the bound, on 1
+    # sample a task
+    assert "| 0.0 ± 0.0 | 50.0 ± 27.2 |" in table
 
 
 def test_kvpress_settings_share_a_line(tmp_path: Path) -> None:
@@ -243,3 +245,52 @@ def test_answers_are_counted_by_the_machine_that_made_them(tmp_path: Path) -> No
         + [record("full", "ruler/vt", 3, 1.0, machine="cpu B"), record("full", "ruler/vt", 4, 1.0)],
     )
     assert lb.answers_by_machine([run]) == {"cpu A": 3, "cpu B": 1, "not recorded": 1}
+
+
+def test_a_rows_margin_is_the_95_percent_interval_of_its_task_means(tmp_path: Path) -> None:
+    # every task: 10 samples, half right; the average is 0.5 and each task mean's variance
+    # 0.25 / 10, so the average's is 0.025 / 13
+    records = [record("full", t, i, float(i % 2)) for t in ruler.TASKS for i in range(10)]
+    (row,) = lb.rows_from_runs([write_run(tmp_path / "r", {}, records)])
+    assert row.average == pytest.approx(0.5)
+    assert row.margin == pytest.approx(1.96 * (0.025 / 13) ** 0.5)
+    assert "| 50.0 ± 8.6 |" in lb.leaderboard_table([row], 4096)
+    partial = [r for r in records if r["task"] != ruler.TASKS[0]]
+    (unranked,) = lb.rows_from_runs([write_run(tmp_path / "p", {}, partial)])
+    assert unranked.margin is None
+
+
+def test_speed_meets_each_press_at_its_kv_ratio_with_the_margins(tmp_path: Path) -> None:
+    def run(name: str, header: dict, method: str, right: int, kv: float, **extra) -> Path:
+        records = [
+            record(method, t, i, float(i < right), kv_ratio=kv, **extra)
+            for t in ruler.TASKS
+            for i in range(20)
+        ]
+        return write_run(tmp_path / name, header, records)
+
+    kvpress = {"engine": "kvpress"}
+    rows = lb.rows_from_runs(
+        [
+            run("full", {}, "full", 10, 1.0),
+            run("speed", {}, SPEED, 10, 0.733),
+            run("snap", kvpress, "kvpress:snapkv,ratio=0.267,setting=aware", 2, 0.735),
+            run("tova", kvpress, "kvpress:tova,ratio=0.267,setting=aware", 9, 0.735),
+            run("far", kvpress, "kvpress:knorm,ratio=0.133,setting=aware", 0, 0.868),
+            run("none", kvpress, "kvpress:none,setting=aware", 10, 1.0),
+        ]
+    )
+    table = lb.equal_kv_table(rows, 4096)
+    lines = [line for line in table.splitlines() if line.startswith("| query-aware")]
+    # only the presses at SPEED-22's ratio; the best first
+    assert [line.split(" | ")[4] for line in lines] == [
+        "kvpress TOVA (KV 0.733)",
+        "kvpress SnapKV (KV 0.733)",
+    ]
+    # 50 % against 45 % on 20 samples a task is within the margins; against 10 % it is not
+    assert lines[0].endswith("| 50.0 ± 6.1 | kvpress TOVA (KV 0.733) | 45.0 ± 6.0 "
+                             "| +5.0 ± 8.6 | within the margins |")  # fmt: skip
+    assert lines[1].endswith("| 10.0 ± 3.6 | +40.0 ± 7.1 | SPEED ahead |")
+    assert "speedkv query-aware 50.0 ± 6.1; kvpress query-aware 50.0 ± 6.1" in table
+    speed = [r for r in rows if r.method == SPEED]
+    assert lb.equal_kv_table(speed, 4096) == ""  # no press to meet

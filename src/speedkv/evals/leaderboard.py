@@ -26,6 +26,8 @@ from speedkv.evals import ruler
 from speedkv.evals.report import median_ttft_ratio, ruler_score, summarise
 
 AWARE, AGNOSTIC = "aware", "agnostic"
+Z95 = 1.96  # a normal 95 % interval
+KV_MATCH = 0.01  # rows within this of each other's KV ratio hold the same share of the cache
 SETTING_LABELS = {AWARE: "query-aware", AGNOSTIC: "query-agnostic"}
 
 # names people know the methods by, for tables and plots
@@ -80,6 +82,16 @@ class Row:
         if not self.complete:
             return None
         return statistics.fmean(self.scores[t] for t in ruler.TASKS)
+
+    @property
+    def margin(self) -> float | None:
+        """Half-width of a 95 % interval around the average, from each task's samples: a score
+        in [0, 1] with mean s spreads by at most s(1 - s) (exactly that for right-or-wrong
+        tasks), and the tasks' samples are drawn independently. None until every task has one."""
+        if not self.complete:
+            return None
+        spread = sum(self.scores[t] * (1 - self.scores[t]) / self.counts[t] for t in ruler.TASKS)
+        return Z95 * math.sqrt(spread) / len(ruler.TASKS)
 
     @property
     def min_samples(self) -> int:
@@ -257,8 +269,8 @@ def leaderboard_table(rows: list[Row], length: int) -> str:
     mine = [r for r in mine if _key(r) in ranked]
     keys = list(dict.fromkeys(_key(r) for r in mine))
     lines = [
-        "| method | adapter | KV x | TTFT x | RULER avg, query-aware | RULER avg, query-agnostic "
-        "| samples per task |",
+        "| method | adapter | KV x | TTFT x | RULER avg ± 95 %, query-aware "
+        "| RULER avg ± 95 %, query-agnostic | samples per task |",
         "|---|---|---:|---:|---:|---:|---:|",
     ]
     for engine, adapter, method in keys:
@@ -277,13 +289,67 @@ def leaderboard_table(rows: list[Row], length: int) -> str:
         lines.append(
             f"| {first.label} (`{_short_spec(method)}`) | {_adapter_cell(adapter)} "
             f"| {first.kv_ratio:.3f} | {ttft} "
-            f"| {_pct(both[AWARE].average) if AWARE in both else '–'} "
-            f"| {_pct(both[AGNOSTIC].average) if AGNOSTIC in both else '–'} "
+            f"| {_with_margin(both.get(AWARE))} | {_with_margin(both.get(AGNOSTIC))} "
             f"| {'/'.join(str(s) for s in samples)} |"
         )
     if partial_names:
         lines.append(f"\nNot every task measured yet: {', '.join(partial_names)}.")
     return "\n".join(lines) + "\n"
+
+
+def _with_margin(row: Row | None) -> str:
+    if row is None or row.average is None:
+        return "–"
+    return f"{_pct(row.average)} ± {100 * row.margin:.1f}"
+
+
+def equal_kv_table(rows: list[Row], length: int) -> str:
+    """SPEED against every kvpress press that holds the same share of the cache, in each
+    setting: both averages with their 95 % margins and the difference. A difference counts as
+    told apart when it exceeds both margins combined as independent (the rows answer the same
+    samples, so a paired test would tell more apart). Empty when no press matches."""
+    ranked = [r for r in rows if r.length == length and r.average is not None]
+    speed = [r for r in ranked if r.engine == "speedkv" and r.method.startswith("speed:")]
+    lines = []
+    for mine in sorted(
+        speed, key=lambda r: (r.setting != AWARE, r.adapter is not None, r.kv_ratio)
+    ):
+        presses = [
+            r
+            for r in ranked
+            if r.engine == "kvpress"
+            and r.setting == mine.setting
+            and abs(r.kv_ratio - mine.kv_ratio) <= KV_MATCH
+        ]
+        for press in sorted(presses, key=lambda r: -r.average):
+            gap = 100 * (mine.average - press.average)
+            noise = 100 * math.hypot(mine.margin, press.margin)
+            verdict = (
+                ("SPEED ahead" if gap > 0 else "SPEED behind")
+                if abs(gap) > noise
+                else "within the margins"
+            )
+            lines.append(
+                f"| {SETTING_LABELS[mine.setting]} | {mine.kv_ratio:.3f} | {mine.label} "
+                f"| {_with_margin(mine)} | {press.label} | {_with_margin(press)} "
+                f"| {gap:+.1f} ± {noise:.1f} | {verdict} |"
+            )
+    if not lines:
+        return ""
+    # the engines differ (bfloat16 kernels, prompt handling), so each side's own ceiling too
+    ceilings = [
+        f"{engine} {SETTING_LABELS[r.setting]} {_with_margin(r)}"
+        for engine, method in (("speedkv", "full"), ("kvpress", "kvpress:none"))
+        for r in ranked
+        if r.engine == engine and r.method == method and not r.adapter
+    ]
+    head = [
+        "| setting | KV x | SPEED row | its RULER avg | kvpress press | its RULER avg "
+        "| difference, points | 95 % |",
+        "|---|---:|---|---:|---|---:|---:|---|",
+    ]
+    ceiling = f"\nFull attention in each engine: {'; '.join(ceilings)}.\n" if ceilings else ""
+    return "\n".join(head + lines) + "\n" + ceiling
 
 
 def _key(row: Row) -> tuple:
@@ -353,7 +419,7 @@ def plot_pareto(rows: list[Row], length: int, path: Path, title: str = "") -> Pa
     fig.suptitle(
         (title + "\n" if title else "")
         + "black edge: with a SPEED-aware adapter (off the front, which joins untrained rows); "
-        "unnamed points are in the tables",
+        "bars: 95 % margins; unnamed points are in the tables",
         fontsize=9,
     )
     fig.tight_layout()
@@ -395,6 +461,7 @@ def _pareto_panel(ax, points: list[Row], cost: str, most: int) -> None:
             zorder=3, label=None if kind in seen else legend,
         )  # fmt: skip
         seen.add(kind)
+        ax.errorbar(x, y, yerr=100 * r.margin, fmt="none", ecolor=colour, alpha=0.25, zorder=2)
         named = i in front or kind == "speed" or r.adapter or r.method in ("full", "kvpress:none")
         if named:
             label = r.label if r.min_samples == most else f"{r.label} ({r.min_samples}/task)"
