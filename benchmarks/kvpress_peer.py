@@ -129,6 +129,11 @@ def cache_bytes(cache) -> int:
     return total
 
 
+def head_dim(config) -> int:
+    """A head's width: Llama's config names it, Qwen2's leaves it to hidden / heads."""
+    return getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+
+
 def masked_entries(model) -> int:
     """Entries kvpress masks instead of removing (KVzip, AdaKV-style heads): summed over
     layers, from the indices its attention patch reads at decode time."""
@@ -342,7 +347,7 @@ def result_row(probe: Probe, job, press_name, ratio, setting, press, text: str, 
     ids = probe.context_ids + probe.question_ids[0]
     at = first_difference(ids, job["ids"])
     tokens = probe.lm_calls  # one token per causal-LM forward, the EOS that stops it included
-    row_bytes = 2 * probe.model.config.head_dim * 2  # a masked entry's key and value, bfloat16
+    row_bytes = 2 * head_dim(probe.model.config) * 2  # a masked entry's key and value, bfloat16
     return {
         "press": press_name,
         "ratio": ratio,

@@ -213,3 +213,11 @@ def test_a_sweep_resumes_wherever_the_converted_weights_live(peer):
     assert peer.same_run(header, moved)
     assert not peer.same_run(header, {**moved, "seed": 1})
     assert not peer.same_run(header, {**moved, "model": "qwen2.5-coder-0.5b"})
+
+
+def test_a_heads_width_comes_from_llama_and_qwen2_configs(peer):
+    from transformers import LlamaConfig, Qwen2Config
+
+    qwen = Qwen2Config(hidden_size=896, num_attention_heads=14, num_key_value_heads=2)
+    assert peer.head_dim(qwen) == 64  # Qwen2.5-0.5B's: its config has no head_dim
+    assert peer.head_dim(LlamaConfig(hidden_size=576, num_attention_heads=9, head_dim=64)) == 64
