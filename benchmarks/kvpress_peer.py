@@ -794,6 +794,51 @@ def summary(records: list[dict]) -> str:
     return "\n".join(lines)
 
 
+def identity(args) -> tuple[dict, str, list]:
+    """The header every answer of this run is written under, the model's directory and the
+    RULER samples the run answers."""
+    from speedkv.evals import ruler
+    from speedkv.hf.loading import load_tokenizer, model_directory
+
+    found = kvpress_versions(args.kvpress_python)
+    model_dir = str(model_directory(args.model, progress=False))
+    samples = prepare_samples(args, load_tokenizer(model_dir))
+    header = {
+        "peer": "kvpress",
+        "pipeline": "KVPressTextGenerationPipeline (kv-press-text-generation), greedy",
+        **found,
+        "model": args.model,
+        "hf_model": model_dir,
+        "dtype": DTYPE,
+        "attn_implementation": ATTENTION,
+        "seed": args.seed,
+        "ruler": f"{ruler.PACKAGE} {ruler.package_version()}",
+        "settings": {
+            "agnostic": "context compressed without the question (kvpress's default)",
+            "aware": "question appended to the context, question='' (kvpress's query_aware)",
+        },
+    }
+    return header, model_dir, samples
+
+
+def write_records(args, header: dict, model_dir: str, samples: list) -> tuple[list, list]:
+    """records.jsonl from every answer in --out so far (written whole, then moved in place, so
+    a reader never sees half a file); the records and the token mismatches."""
+    out = Path(args.out)
+    results = out / "kvpress-results.jsonl"
+    first = results.read_text().splitlines()[:1] if results.exists() else []
+    if first and not same_run(json.loads(first[0]).get("header") or {}, header):
+        sys.exit(f"{results} was made with other settings ({first[0]})")
+    records, mismatches = build_records(samples, args.length, read_results(results))
+    scratch = out / "records.jsonl.partial"
+    with scratch.open("w") as sink:
+        sink.write(json.dumps({"header": header}) + "\n")
+        for record in records:
+            sink.write(json.dumps(record) + "\n")
+    os.replace(scratch, out / "records.jsonl")
+    return records, mismatches
+
+
 # where this machine keeps the converted weights: another machine (or a newer cache layout)
 # keeps the same weights elsewhere, and the model's name already says which they are
 MACHINE_LOCAL = ("hf_model",)
@@ -811,9 +856,13 @@ def same_run(old: dict, new: dict) -> bool:
 def drive(args) -> None:
     from speedkv.bench.machine import machine_label
     from speedkv.cli.options import split_commas
-    from speedkv.evals import ruler
-    from speedkv.hf.loading import load_tokenizer, model_directory
 
+    if args.records_only:
+        if not (Path(args.out) / "kvpress-results.jsonl").exists():
+            sys.exit(f"no answers in {args.out} yet: nothing to write records from")
+        records, _ = write_records(args, *identity(args))
+        log(f"{len(records)} records in {Path(args.out) / 'records.jsonl'}")
+        return
     presses = split_commas(args.presses)
     unknown = [p for p in presses if p not in PRESSES]
     if unknown:
@@ -824,25 +873,7 @@ def drive(args) -> None:
     ratios = [float(r) for r in split_commas(args.ratios)]
     if any(not 0 < r < 1 for r in ratios):
         sys.exit(f"compression ratios are fractions in (0, 1), got {args.ratios!r}")
-    found = kvpress_versions(args.kvpress_python)
-    model_dir = str(model_directory(args.model, progress=False))
-    tokenizer = load_tokenizer(model_dir)
-    samples = prepare_samples(args, tokenizer)
-    header = {
-        "peer": "kvpress",
-        "pipeline": "KVPressTextGenerationPipeline (kv-press-text-generation), greedy",
-        **found,
-        "model": args.model,
-        "hf_model": model_dir,
-        "dtype": DTYPE,
-        "attn_implementation": ATTENTION,
-        "seed": args.seed,
-        "ruler": f"{ruler.PACKAGE} {ruler.package_version()}",
-        "settings": {
-            "agnostic": "context compressed without the question (kvpress's default)",
-            "aware": "question appended to the context, question='' (kvpress's query_aware)",
-        },
-    }
+    header, model_dir, samples = identity(args)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     jobs_path = out / "jobs.json"
@@ -894,11 +925,7 @@ def drive(args) -> None:
         if half.poll() is None:
             half.terminate()
             half.wait()
-    records, mismatches = build_records(samples, args.length, read_results(results))
-    with (out / "records.jsonl").open("w") as sink:
-        sink.write(json.dumps({"header": header}) + "\n")
-        for record in records:
-            sink.write(json.dumps(record) + "\n")
+    records, mismatches = write_records(args, header, model_dir, samples)
     print(summary(records))
     checked = len(records)
     log(
@@ -963,6 +990,12 @@ def main() -> None:
         help="one pipeline call per press and ratio, each with its own prefill, instead of one "
         "prefill shared by a sample's scorer presses, and one prefill and scoring shared by "
         "KVzip's ratios (the same answers, measured equal; slower)",
+    )
+    driver.add_argument(
+        "--records-only",
+        action="store_true",
+        help="only rewrite --out's records.jsonl from the answers there so far (a sweep writes "
+        "it when it stops; this brings a board up to date while it runs, or after a kill)",
     )
     driver.add_argument(
         "--check-tokens",

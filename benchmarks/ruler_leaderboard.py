@@ -350,7 +350,29 @@ def refresh_docs(page: str, name: str, tables: str) -> str:
     return head + begin + "\n\n" + tables.strip() + "\n\n" + end + rest.split(end, 1)[1]
 
 
-def render(args, work: Path, out: Path) -> None:
+def refresh_peer_records(args, plan: Plan, work: Path) -> None:
+    """Rewrite the records of every kvpress part whose answers are newer than them: a part
+    writes its records when it stops, so a board rendered while it runs, or after it was
+    killed, would show fewer answers than there are."""
+    for sweep in (s for s in sweeps(plan).values() if s.peer):
+        for part in sorted(work.glob(f"{sweep.name}-*of*")):
+            index, _, jobs = part.name.removeprefix(f"{sweep.name}-").partition("of")
+            answers, records = resume_file(part), part / "records.jsonl"
+            if not answers.exists() or (
+                records.exists() and records.stat().st_mtime >= answers.stat().st_mtime
+            ):
+                continue
+            tasks = task_parts(int(jobs))[int(index) - 1]
+            command = [*kvpress_command(args, plan, sweep, tasks, part), "--records-only"]
+            done = subprocess.run(command, capture_output=True, text=True)
+            if done.returncode != 0:
+                why = done.stderr.strip()[-500:]
+                print(f"[render] {part.name}: its records are older than its answers and could "
+                      f"not be rewritten: {why}", file=sys.stderr)  # fmt: skip
+
+
+def render(args, plan: Plan, work: Path, out: Path) -> None:
+    refresh_peer_records(args, plan, work)
     dirs = sorted(p.parent for p in work.glob("*/records.jsonl"))
     published_file = out / "results.json"
     published = (
@@ -492,7 +514,7 @@ def main() -> None:
         for path in archive_answers(work, args.board):
             print(path)
     if args.render or not (wanted or args.archive):
-        render(args, work, args.board)
+        render(args, plan, work, args.board)
 
 
 if __name__ == "__main__":

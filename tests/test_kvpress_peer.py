@@ -7,6 +7,7 @@ from __future__ import annotations
 import importlib.util
 import json
 import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -221,3 +222,48 @@ def test_a_heads_width_comes_from_llama_and_qwen2_configs(peer):
     qwen = Qwen2Config(hidden_size=896, num_attention_heads=14, num_key_value_heads=2)
     assert peer.head_dim(qwen) == 64  # Qwen2.5-0.5B's: its config has no head_dim
     assert peer.head_dim(LlamaConfig(hidden_size=576, num_attention_heads=9, head_dim=64)) == 64
+
+
+@pytest.mark.skipif(not KVPRESS_PYTHON.exists(), reason="no kvpress environment")
+def test_records_only_rewrites_a_parts_records_from_its_answers(peer, samples, ruler_root,
+                                                               tmp_path):  # fmt: skip
+    """`--records-only` scores every answer in --out so far and replaces records.jsonl whole,
+    running nothing; a part with no answers is refused."""
+    import argparse
+
+    out = tmp_path / "kvpress-1of1"
+    options = ["--kvpress-python", str(KVPRESS_PYTHON), "--model", "smollm2-135m",
+               "--tasks", "ruler/niah_single_1,ruler/vt", "--length", "1024",
+               "--samples", str(RULER_SAMPLES), "--ruler-data", str(ruler_root),
+               "--out", str(out), "--records-only"]  # fmt: skip
+    command = [sys.executable, str(ROOT / "benchmarks" / "kvpress_peer.py"), *options]
+    done = subprocess.run(command, capture_output=True, text=True)
+    assert done.returncode != 0 and "no answers in" in done.stderr
+
+    args = argparse.Namespace(kvpress_python=str(KVPRESS_PYTHON), model="smollm2-135m",
+                              tasks="ruler/niah_single_1,ruler/vt", length=1024,
+                              samples=RULER_SAMPLES, seed=0, ruler_data=str(ruler_root),
+                              first=None)  # fmt: skip
+    header, _, _ = peer.identity(args)
+    task, index, sample = samples[0]
+    job = peer.job_key(task, 1024, index)
+    answers = [
+        result(peer, job, peer.NONE, "aware", f" {sample.outputs[0]}.", 1000, 2.0),
+        result(peer, job, "snapkv", "aware", " 1234.", 733, 2.2),
+    ]
+    out.mkdir()
+    lines = [
+        json.dumps({"header": {**header, "hf_model": "/elsewhere"}}),  # another machine's
+        *map(json.dumps, answers),
+    ]
+    (out / "kvpress-results.jsonl").write_text("\n".join(lines) + "\n")
+    (out / "records.jsonl").write_text("stale\n")
+    done = subprocess.run(command, capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr[-2000:]
+    written = [json.loads(line) for line in (out / "records.jsonl").read_text().splitlines()]
+    assert written[0]["header"] == header
+    assert {(r["method"], r["score"]) for r in written[1:]} == {
+        ("kvpress:none,setting=aware", 1.0),
+        (peer.method_name("snapkv", 0.267, "aware"), 0.0),
+    }
+    assert not (out / "records.jsonl.partial").exists()

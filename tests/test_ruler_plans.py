@@ -207,10 +207,39 @@ def test_render_keeps_published_rows_whose_runs_are_elsewhere(tmp_path):
     class Args:
         model, length, docs = "smollm2-135m", 4096, None
 
-    board.render(Args, work, out)
+    board.render(Args, board.PLANS[("smollm2-135m", 4096)], work, out)
     rows = {r["method"]: r for r in json.loads((out / "results.json").read_text())}
     assert rows["full"]["average"] == pytest.approx(1.0)
     assert rows["pop:lcut=22"]["average"] == pytest.approx(0.25)
     page = (out / "leaderboard.md").read_text()
     assert "and 1 rows as published before" in page
     assert "by the CPU that made them: not recorded: 13." in page
+
+
+def test_render_rewrites_the_records_of_peer_parts_behind_their_answers(tmp_path, monkeypatch):
+    """A kvpress part writes its records when it stops: render brings those of a running or
+    killed part up to date first, and leaves the others alone."""
+    import os
+    import subprocess
+
+    work = tmp_path / "work"
+    stale, fresh, ours = work / "kvpress-2of2", work / "kvzip-1of2", work / "base-1of2"
+    for part in (stale, fresh, ours):
+        part.mkdir(parents=True)
+        (part / "records.jsonl").write_text("")
+        if part is not ours:
+            (part / "kvpress-results.jsonl").write_text("")
+    os.utime(stale / "records.jsonl", (0, 0))  # older than its answers
+    (work / "kvpress-1of2").mkdir()  # no answers yet: nothing to write
+    ran = []
+    monkeypatch.setattr(subprocess, "run", lambda command, **_: ran.append(command)
+                        or subprocess.CompletedProcess(command, 0, "", ""))  # fmt: skip
+
+    class Args:
+        kvpress_python, model, length, samples = "kvpython", "smollm2-135m", 4096, 20
+
+    board.refresh_peer_records(Args, board.PLANS[("smollm2-135m", 4096)], work)
+    (command,) = ran
+    assert command[-1] == "--records-only" and command[command.index("--out") + 1] == str(stale)
+    tasks = command[command.index("--tasks") + 1].split(",")
+    assert tasks == board.task_parts(2)[1]  # the second part's tasks
