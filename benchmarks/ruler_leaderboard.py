@@ -421,7 +421,13 @@ def render(args, plan: Plan, work: Path, out: Path) -> None:
     ]
     versus = lb.equal_kv_table(rows, args.length)
     if versus:
-        parts += ["## SPEED against kvpress at equal KV\n", versus]
+        parts += [
+            "## SPEED against kvpress at equal KV\n",
+            "Each difference comes with its own 95 % margin: paired on the samples both rows "
+            "answered where both kept their per-sample scores (marked), else the two rows' "
+            "margins combined as independent.\n",
+            versus,
+        ]
     for setting, table in per_task.items():
         parts += [f"## Per task, {lb.SETTING_LABELS[setting]}\n", table]
     if plot:

@@ -287,10 +287,28 @@ def test_speed_meets_each_press_at_its_kv_ratio_with_the_margins(tmp_path: Path)
         "kvpress TOVA (KV 0.733)",
         "kvpress SnapKV (KV 0.733)",
     ]
-    # 50 % against 45 % on 20 samples a task is within the margins; against 10 % it is not
+    # paired on the same samples: SPEED answers sample 9 of each task, TOVA does not, and
+    # they agree on the other 19: 5 points apart, told apart
     assert lines[0].endswith("| 50.0 ± 6.1 | kvpress TOVA (KV 0.733) | 45.0 ± 6.0 "
-                             "| +5.0 ± 8.6 | within the margins |")  # fmt: skip
-    assert lines[1].endswith("| 10.0 ± 3.6 | +40.0 ± 7.1 | SPEED ahead |")
+                             "| +5.0 ± 2.7 | SPEED ahead (paired) |")  # fmt: skip
+    assert lines[1].endswith("| 10.0 ± 3.6 | +40.0 ± 6.1 | SPEED ahead (paired) |")
     assert "speedkv query-aware 50.0 ± 6.1; kvpress query-aware 50.0 ± 6.1" in table
+    # a published row keeps no samples: the two margins combined, and 5 points is within them
     speed = [r for r in rows if r.method == SPEED]
+    published = lb.rows_from_json(lb.to_json(speed))
+    unpaired = lb.equal_kv_table(published + [r for r in rows if r.engine == "kvpress"], 4096)
+    assert "| +5.0 ± 8.6 | within the margins |" in unpaired
+    assert "| +40.0 ± 7.1 | SPEED ahead |" in unpaired
     assert lb.equal_kv_table(speed, 4096) == ""  # no press to meet
+
+
+def test_a_difference_is_paired_only_with_two_shared_samples_in_every_task(tmp_path: Path) -> None:
+    def row(name: str, method: str, samples: int) -> lb.Row:
+        records = [record(method, t, i, float(i % 2)) for t in ruler.TASKS for i in range(samples)]
+        (made,) = lb.rows_from_runs([write_run(tmp_path / name, {}, records)])
+        return made
+
+    one, other = row("a", "full", 1), row("b", SPEED, 1)
+    assert lb.difference(one, other) == (0.0, 0.0, False)  # one sample a task: unpaired
+    gap, margin, paired = lb.difference(row("c", "full", 4), row("d", SPEED, 4))
+    assert paired and gap == 0.0 and margin == 0.0  # the same answers: no doubt about it

@@ -70,7 +70,7 @@ class Row:
     ttft_ratio: float | None  # None: no sample timed on its own, and no quiet bench run
     ttft_source: str = "records"  # records (median per-sample ratio) or bench (quiet run)
     seconds: float = 0.0  # wall time of every sample, all tasks
-    extra: dict = field(default_factory=dict)
+    extra: dict = field(default_factory=dict, compare=False)  # per-sample scores, when kept
 
     @property
     def complete(self) -> bool:
@@ -183,6 +183,7 @@ def rows_from_runs(
             kv_ratio=statistics.fmean(r["kv_ratio"] for r in records),
             ttft_ratio=median_ttft_ratio(records),
             seconds=sum(r.get("seconds", 0.0) for r in records),
+            extra={"per_sample": {key: r["score"] for key, r in by_sample.items()}},
         )
         if ttft and (method, length) in ttft and engine == "speedkv":
             row.ttft_ratio, row.ttft_source = ttft[(method, length)], "bench"
@@ -303,11 +304,30 @@ def _with_margin(row: Row | None) -> str:
     return f"{_pct(row.average)} ± {100 * row.margin:.1f}"
 
 
+def difference(a: Row, b: Row) -> tuple[float, float, bool]:
+    """a's average less b's, the 95 % margin of that difference, and whether it is paired.
+    Paired where both rows kept their per-sample scores and share at least two samples in every
+    task: each task's mean difference over the samples both answered, with its spread, which
+    is far smaller than two rows' own spreads where the methods agree on most samples.
+    Otherwise the two margins combined as independent."""
+    mine, theirs = a.extra.get("per_sample"), b.extra.get("per_sample")
+    if mine and theirs:
+        by_task: dict[str, list[float]] = {}
+        for key in mine.keys() & theirs.keys():
+            by_task.setdefault(key[0], []).append(mine[key] - theirs[key])
+        if all(len(by_task.get(t, ())) >= 2 for t in ruler.TASKS):
+            tasks = len(ruler.TASKS)
+            gap = sum(statistics.fmean(by_task[t]) for t in ruler.TASKS) / tasks
+            spread = sum(statistics.variance(by_task[t]) / len(by_task[t]) for t in ruler.TASKS)
+            return gap, Z95 * math.sqrt(spread) / tasks, True
+    return a.average - b.average, math.hypot(a.margin, b.margin), False
+
+
 def equal_kv_table(rows: list[Row], length: int) -> str:
     """SPEED against every kvpress press that holds the same share of the cache, in each
-    setting: both averages with their 95 % margins and the difference. A difference counts as
-    told apart when it exceeds both margins combined as independent (the rows answer the same
-    samples, so a paired test would tell more apart). Empty when no press matches."""
+    setting: both averages with their 95 % margins and the difference with its own (paired
+    where both rows kept their samples, see `difference`). A difference counts as told apart
+    when it exceeds its margin. Empty when no press matches."""
     ranked = [r for r in rows if r.length == length and r.average is not None]
     speed = [r for r in ranked if r.engine == "speedkv" and r.method.startswith("speed:")]
     lines = []
@@ -322,13 +342,13 @@ def equal_kv_table(rows: list[Row], length: int) -> str:
             and abs(r.kv_ratio - mine.kv_ratio) <= KV_MATCH
         ]
         for press in sorted(presses, key=lambda r: -r.average):
-            gap = 100 * (mine.average - press.average)
-            noise = 100 * math.hypot(mine.margin, press.margin)
+            gap, noise, paired = difference(mine, press)
+            gap, noise = 100 * gap, 100 * noise  # points
             verdict = (
                 ("SPEED ahead" if gap > 0 else "SPEED behind")
                 if abs(gap) > noise
                 else "within the margins"
-            )
+            ) + (" (paired)" if paired else "")
             lines.append(
                 f"| {SETTING_LABELS[mine.setting]} | {mine.kv_ratio:.3f} | {mine.label} "
                 f"| {_with_margin(mine)} | {press.label} | {_with_margin(press)} "
