@@ -826,9 +826,6 @@ def write_records(args, header: dict, model_dir: str, samples: list) -> tuple[li
     a reader never sees half a file); the records and the token mismatches."""
     out = Path(args.out)
     results = out / "kvpress-results.jsonl"
-    first = results.read_text().splitlines()[:1] if results.exists() else []
-    if first and not same_run(json.loads(first[0]).get("header") or {}, header):
-        sys.exit(f"{results} was made with other settings ({first[0]})")
     records, mismatches = build_records(samples, args.length, read_results(results))
     scratch = out / "records.jsonl.partial"
     with scratch.open("w") as sink:
@@ -847,10 +844,20 @@ MACHINE_LOCAL = ("hf_model",)
 def same_run(old: dict, new: dict) -> bool:
     """Whether answers written under header `old` may be resumed under header `new`."""
 
-    def identity(header: dict) -> dict:
+    def comparable(header: dict) -> dict:
         return {k: v for k, v in header.items() if k not in MACHINE_LOCAL}
 
-    return identity(old) == identity(new)
+    return comparable(old) == comparable(new)
+
+
+def refuse_other_settings(results: Path, header: dict) -> None:
+    """Stop where the answers in `results` were made under another header than `header`."""
+    first = results.read_text().splitlines()[:1] if results.exists() else []
+    if first and not same_run(json.loads(first[0]).get("header") or {}, header):
+        sys.exit(
+            f"{results} was made with other settings ({first[0]}); use another --out, or the "
+            "same kvpress, transformers, torch, model and seed"
+        )
 
 
 def drive(args) -> None:
@@ -858,9 +865,12 @@ def drive(args) -> None:
     from speedkv.cli.options import split_commas
 
     if args.records_only:
-        if not (Path(args.out) / "kvpress-results.jsonl").exists():
+        results = Path(args.out) / "kvpress-results.jsonl"
+        if not results.exists():
             sys.exit(f"no answers in {args.out} yet: nothing to write records from")
-        records, _ = write_records(args, *identity(args))
+        header, model_dir, samples = identity(args)
+        refuse_other_settings(results, header)
+        records, _ = write_records(args, header, model_dir, samples)
         log(f"{len(records)} records in {Path(args.out) / 'records.jsonl'}")
         return
     presses = split_commas(args.presses)
@@ -905,13 +915,9 @@ def drive(args) -> None:
         )
         sys.exit(1 if report["mismatches"] else 0)
     results = out / "kvpress-results.jsonl"
-    first = results.read_text().splitlines()[:1] if results.exists() else []
-    if args.resume and first and not same_run(json.loads(first[0]).get("header") or {}, header):
-        sys.exit(
-            f"{results} was made with other settings ({first[0]}); use another --out, or the "
-            "same kvpress, transformers, torch, model and seed"
-        )
-    if not args.resume or not first:
+    if args.resume:
+        refuse_other_settings(results, header)
+    if not args.resume or not results.exists() or results.stat().st_size == 0:
         results.write_text(json.dumps({"header": header}) + "\n")
     command = [args.kvpress_python, SCRIPT, "--run", str(jobs_path), "--results", str(results)]
     half = subprocess.Popen(command, env=env)

@@ -267,3 +267,7 @@ def test_records_only_rewrites_a_parts_records_from_its_answers(peer, samples, r
         (peer.method_name("snapkv", 0.267, "aware"), 0.0),
     }
     assert not (out / "records.jsonl.partial").exists()
+    other = [json.dumps({"header": {**header, "seed": 1}}), *lines[1:]]  # another run's answers
+    (out / "kvpress-results.jsonl").write_text("\n".join(other) + "\n")
+    done = subprocess.run(command, capture_output=True, text=True)
+    assert done.returncode != 0 and "was made with other settings" in done.stderr
