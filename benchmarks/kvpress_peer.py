@@ -25,7 +25,8 @@ environment, and this script has two halves:
   On a CPU whose oneDNN takes no bfloat16 (AVX2-only x86) the linear layers' products go
   through float32's kernels with bfloat16's arithmetic (bfloat16 operands, float32 sums, one
   rounding): torch's own bfloat16 product there is a plain loop. Each answer records which
-  (`linear`).
+  (`linear`). A new run there also computes attention in float32 from the bfloat16 cache
+  (`attention_in_float32`); the header says which, and a resumed run keeps its own.
 
 Presses (--presses), each at kvpress's defaults but the ratio: snapkv (SnapKVPress: window 64,
 kernel 5), expected_attention, streaming_llm (4 sink tokens), tova, knorm, kvzip. All six run
@@ -252,6 +253,63 @@ def products_in_float32(model, onednn_bf16: bool | None = None) -> bool:
             bias = module.bias
             module.bias_float32 = None if bias is None else bias.detach().float()
             module.forward = types.MethodType(forward, module)
+    return True
+
+
+# how attention computes, as headers name it: torch's bfloat16 SDPA, or float32's from the
+# bfloat16 cache (operands upcast exactly, float32 scores, softmax and sums, rounded once)
+ATTENTION_IN_BFLOAT16 = "bfloat16"
+ATTENTION_IN_FLOAT32 = "float32"
+
+
+def attention_numerics(old_header: dict | None, choice: str = "auto") -> str:
+    """How a run's attention computes (`--attention`). `auto`: a resumed run keeps what its
+    answers were made with (bfloat16 before runs recorded it), a new one takes float32
+    products where oneDNN takes no bfloat16. The two give different greedy text on long
+    answers (20 of 44 answers of two samples, 4 scores), so a run never mixes them, and a
+    board's peer runs should share one (`benchmarks/ruler_leaderboard.py` passes it on)."""
+    import torch
+
+    if choice != "auto":
+        return choice
+    if old_header is not None:
+        return old_header.get("attention", ATTENTION_IN_BFLOAT16)
+    fast_bf16 = bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
+    return ATTENTION_IN_BFLOAT16 if fast_bf16 else ATTENTION_IN_FLOAT32
+
+
+def attention_in_float32(onednn_bf16: bool | None = None) -> bool:
+    """The attention counterpart of `products_in_float32`. Where oneDNN takes no bfloat16,
+    torch's bfloat16 SDPA for a few queries against a long cache is several times slower than
+    float32's (one decode step at 3,800 keys: 4.9 against 0.6 ms a layer, one thread, AMD EPYC
+    Zen 3); decoding spent 60 % of each answer there, and answers take 2.4-3.5 times less time
+    this way. The cache stays bfloat16 (KV bytes unchanged); each call upcasts its operands
+    exactly and rounds its output once. A bfloat16 flash kernel differs in rounding its
+    attention weights to bfloat16 for the product with the values. The entry patched is the
+    one kvpress wrapped for its masked keys, so its fake keys still reach the product.
+    Returns whether attention was changed."""
+    import torch
+    from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+
+    if onednn_bf16 is None:
+        onednn_bf16 = bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
+    if onednn_bf16:
+        return False
+    inner = ALL_ATTENTION_FUNCTIONS[ATTENTION]
+    if getattr(inner, "upcasts", False):
+        return True
+
+    def in_float32(module, query, key, value, attention_mask, *args, **kwargs):
+        if query.dtype != torch.bfloat16:
+            return inner(module, query, key, value, attention_mask, *args, **kwargs)
+        if attention_mask is not None and attention_mask.is_floating_point():
+            attention_mask = attention_mask.float()
+        out, weights = inner(module, query.float(), key.float(), value.float(),
+                             attention_mask, *args, **kwargs)  # fmt: skip
+        return out.to(query.dtype), weights
+
+    in_float32.upcasts = True
+    ALL_ATTENTION_FUNCTIONS[ATTENTION] = in_float32
     return True
 
 
@@ -574,6 +632,8 @@ def run_jobs(args) -> None:
     t_load = time.perf_counter()
     pipe = load_pipeline(spec["model"])
     linear = LINEAR_IN_FLOAT32 if products_in_float32(pipe.model) else DTYPE
+    if spec.get("attention") == ATTENTION_IN_FLOAT32:
+        attention_in_float32(onednn_bf16=False)
     probe = Probe(pipe)
     # the first call pays for one-off set-up (thread pools, kernels): a short one before timing
     warm = dict(plan[0][0], context=plan[0][0]["context"][:2000], max_new_tokens=2)
@@ -794,9 +854,9 @@ def summary(records: list[dict]) -> str:
     return "\n".join(lines)
 
 
-def identity(args) -> tuple[dict, str, list]:
-    """The header every answer of this run is written under, the model's directory and the
-    RULER samples the run answers."""
+def identity(args, attention: str) -> tuple[dict, str, list]:
+    """The header every answer of this run is written under (`attention`: see
+    `attention_numerics`), the model's directory and the RULER samples the run answers."""
     from speedkv.evals import ruler
     from speedkv.hf.loading import load_tokenizer, model_directory
 
@@ -811,6 +871,7 @@ def identity(args) -> tuple[dict, str, list]:
         "hf_model": model_dir,
         "dtype": DTYPE,
         "attn_implementation": ATTENTION,
+        "attention": attention,
         "seed": args.seed,
         "ruler": f"{ruler.PACKAGE} {ruler.package_version()}",
         "settings": {
@@ -845,18 +906,25 @@ def same_run(old: dict, new: dict) -> bool:
     """Whether answers written under header `old` may be resumed under header `new`."""
 
     def comparable(header: dict) -> dict:
-        return {k: v for k, v in header.items() if k not in MACHINE_LOCAL}
+        kept = {k: v for k, v in header.items() if k not in MACHINE_LOCAL}
+        return {"attention": ATTENTION_IN_BFLOAT16} | kept  # what runs did before saying so
 
     return comparable(old) == comparable(new)
 
 
+def written_header(results: Path) -> dict | None:
+    """The header `results` begins with, if it holds one."""
+    first = results.read_text().splitlines()[:1] if results.exists() else []
+    return (json.loads(first[0]).get("header") or {}) if first else None
+
+
 def refuse_other_settings(results: Path, header: dict) -> None:
     """Stop where the answers in `results` were made under another header than `header`."""
-    first = results.read_text().splitlines()[:1] if results.exists() else []
-    if first and not same_run(json.loads(first[0]).get("header") or {}, header):
+    old = written_header(results)
+    if old is not None and not same_run(old, header):
         sys.exit(
-            f"{results} was made with other settings ({first[0]}); use another --out, or the "
-            "same kvpress, transformers, torch, model and seed"
+            f"{results} was made with other settings ({json.dumps(old)}); use another --out, "
+            "or the same kvpress, transformers, torch, model, seed and attention"
         )
 
 
@@ -868,7 +936,8 @@ def drive(args) -> None:
         results = Path(args.out) / "kvpress-results.jsonl"
         if not results.exists():
             sys.exit(f"no answers in {args.out} yet: nothing to write records from")
-        header, model_dir, samples = identity(args)
+        attention = attention_numerics(written_header(results), args.attention)
+        header, model_dir, samples = identity(args, attention)
         refuse_other_settings(results, header)
         records, _ = write_records(args, header, model_dir, samples)
         log(f"{len(records)} records in {Path(args.out) / 'records.jsonl'}")
@@ -883,8 +952,11 @@ def drive(args) -> None:
     ratios = [float(r) for r in split_commas(args.ratios)]
     if any(not 0 < r < 1 for r in ratios):
         sys.exit(f"compression ratios are fractions in (0, 1), got {args.ratios!r}")
-    header, model_dir, samples = identity(args)
     out = Path(args.out)
+    results = out / "kvpress-results.jsonl"
+    attention = attention_numerics(written_header(results) if args.resume else None,
+                                   args.attention)  # fmt: skip
+    header, model_dir, samples = identity(args, attention)
     out.mkdir(parents=True, exist_ok=True)
     jobs_path = out / "jobs.json"
     jobs_path.write_text(
@@ -898,6 +970,7 @@ def drive(args) -> None:
                 "settings": settings,
                 "jobs": make_jobs(samples, args.length),
                 "machine": machine_label(),  # each answer says where it was made
+                "attention": attention,
             }
         )
     )
@@ -914,7 +987,6 @@ def drive(args) -> None:
             f"{report['checked']} (sample, setting) pairs tokenize to the prompt's ids"
         )
         sys.exit(1 if report["mismatches"] else 0)
-    results = out / "kvpress-results.jsonl"
     if args.resume:
         refuse_other_settings(results, header)
     if not args.resume or not results.exists() or results.stat().st_size == 0:
@@ -996,6 +1068,15 @@ def main() -> None:
         help="one pipeline call per press and ratio, each with its own prefill, instead of one "
         "prefill shared by a sample's scorer presses, and one prefill and scoring shared by "
         "KVzip's ratios (the same answers, measured equal; slower)",
+    )
+    driver.add_argument(
+        "--attention",
+        choices=["auto", ATTENTION_IN_BFLOAT16, ATTENTION_IN_FLOAT32],
+        default="auto",
+        help="float32: attention computed in float32 from the bfloat16 cache (exact upcast, "
+        "one rounding: 2.4-3.5x faster answers where oneDNN takes no bfloat16); bfloat16: "
+        "torch's bfloat16 SDPA; auto: what a resumed run was made with, else float32 where "
+        "oneDNN takes no bfloat16 (default: auto)",
     )
     driver.add_argument(
         "--records-only",

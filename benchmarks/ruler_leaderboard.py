@@ -250,6 +250,18 @@ def eval_command(model: str, length: int, samples: int, sweep: Sweep, tasks: lis
     ]  # fmt: skip
 
 
+def peer_attention(work: Path) -> list[str]:
+    """`--attention` for a peer part: what the board's earliest peer answers were made with,
+    so every kvpress row of a board (and the full-attention row they share) computes its
+    attention alike. Nothing while no peer part has answers: the first one then decides."""
+    for results in sorted(work.glob("*-*of*/kvpress-results.jsonl")):
+        first = results.read_text().splitlines()[:1]
+        header = json.loads(first[0]).get("header") if first else None
+        if header:  # answers from before headers named it: bfloat16
+            return ["--attention", header.get("attention", "bfloat16")]
+    return []
+
+
 def kvpress_command(args, plan: Plan, sweep: Sweep, tasks: list[str], out: Path) -> list[str]:
     return [
         sys.executable, str(ROOT / "benchmarks" / "kvpress_peer.py"),
@@ -257,7 +269,7 @@ def kvpress_command(args, plan: Plan, sweep: Sweep, tasks: list[str], out: Path)
         "--tasks", ",".join(tasks), "--length", str(args.length),
         "--samples", str(args.samples), "--presses", ",".join(sweep.methods),
         "--ratios", plan.compression_ratios(), "--settings", plan.kvpress_settings(),
-        "--threads", "1", "--out", str(out), "--resume",
+        "--threads", "1", "--out", str(out), "--resume", *peer_attention(out.parent),
     ]  # fmt: skip
 
 

@@ -152,6 +152,44 @@ def test_bfloat16_products_go_through_float32_where_onednn_refuses_bfloat16(peer
     assert torch.equal(out, expected)
 
 
+def test_bfloat16_attention_goes_through_float32_where_onednn_refuses_bfloat16(peer):
+    """The cache stays bfloat16; the attention call sees its operands upcast exactly (a float
+    mask too) and returns its output rounded once, through whatever entry kvpress wrapped."""
+    import torch
+    import torch.nn.functional as F
+    from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+
+    seen = []
+
+    def sdpa(module, query, key, value, attention_mask, *args, **kwargs):
+        seen.append((query.dtype, key.dtype, value.dtype, attention_mask.dtype))
+        out = F.scaled_dot_product_attention(query, key, value, attn_mask=attention_mask)
+        return out.transpose(1, 2), None
+
+    saved = ALL_ATTENTION_FUNCTIONS[peer.ATTENTION]
+    ALL_ATTENTION_FUNCTIONS[peer.ATTENTION] = sdpa
+    try:
+        assert not peer.attention_in_float32(onednn_bf16=True)
+        assert ALL_ATTENTION_FUNCTIONS[peer.ATTENTION] is sdpa
+        assert peer.attention_in_float32(onednn_bf16=False)
+        assert peer.attention_in_float32(onednn_bf16=False)  # once only: not wrapped twice
+        patched = ALL_ATTENTION_FUNCTIONS[peer.ATTENTION]
+        torch.manual_seed(0)
+        q, k, v = (torch.randn(1, 2, n, 16, dtype=torch.bfloat16) for n in (3, 40, 40))
+        mask = torch.zeros(1, 1, 3, 40, dtype=torch.bfloat16)
+        mask[..., :5] = torch.finfo(torch.bfloat16).min
+        out, _ = patched(None, q, k, v, mask, dropout=0.0)
+        expected = F.scaled_dot_product_attention(q.float(), k.float(), v.float(),
+                                                  attn_mask=mask.float())  # fmt: skip
+        assert seen == [(torch.float32,) * 4]
+        assert out.dtype == torch.bfloat16
+        assert torch.equal(out, expected.transpose(1, 2).bfloat16())
+        patched(None, q.float(), k.float(), v.float(), mask.float(), dropout=0.0)
+        assert seen[-1] == (torch.float32,) * 4  # float32 models pass through as they are
+    finally:
+        ALL_ATTENTION_FUNCTIONS[peer.ATTENTION] = saved
+
+
 KVPRESS_PYTHON = ROOT / ".venv-kvpress" / "bin" / "python"
 
 
@@ -216,6 +254,22 @@ def test_a_sweep_resumes_wherever_the_converted_weights_live(peer):
     assert not peer.same_run(header, {**moved, "model": "qwen2.5-coder-0.5b"})
 
 
+def test_a_run_keeps_the_attention_numerics_its_answers_were_made_with(peer):
+    """Answers written before headers named their attention were made by bfloat16 SDPA; a
+    resumed run keeps its header's choice on any machine, a new one takes this machine's."""
+    import torch
+
+    before = {"peer": "kvpress", "model": "smollm2-135m", "seed": 0}
+    assert peer.attention_numerics(before) == peer.ATTENTION_IN_BFLOAT16
+    assert peer.same_run(before, {**before, "attention": peer.ATTENTION_IN_BFLOAT16})
+    assert not peer.same_run(before, {**before, "attention": peer.ATTENTION_IN_FLOAT32})
+    upcast = {**before, "attention": peer.ATTENTION_IN_FLOAT32}
+    assert peer.attention_numerics(upcast) == peer.ATTENTION_IN_FLOAT32
+    fast_bf16 = torch.ops.mkldnn._is_mkldnn_bf16_supported()
+    new = peer.ATTENTION_IN_BFLOAT16 if fast_bf16 else peer.ATTENTION_IN_FLOAT32
+    assert peer.attention_numerics(None) == new
+
+
 def test_a_heads_width_comes_from_llama_and_qwen2_configs(peer):
     from transformers import LlamaConfig, Qwen2Config
 
@@ -244,7 +298,7 @@ def test_records_only_rewrites_a_parts_records_from_its_answers(peer, samples, r
                               tasks="ruler/niah_single_1,ruler/vt", length=1024,
                               samples=RULER_SAMPLES, seed=0, ruler_data=str(ruler_root),
                               first=None)  # fmt: skip
-    header, _, _ = peer.identity(args)
+    header, _, _ = peer.identity(args, peer.attention_numerics(None))
     task, index, sample = samples[0]
     job = peer.job_key(task, 1024, index)
     answers = [

@@ -142,10 +142,30 @@ def test_kvpress_runs_in_the_settings_speedkvs_rows_have(tmp_path):
 
     for key, plan in board.PLANS.items():
         sweep = board.sweeps(plan)["kvpress"]
-        command = board.kvpress_command(Args, plan, sweep, ["ruler/vt"], tmp_path)
+        command = board.kvpress_command(Args, plan, sweep, ["ruler/vt"], tmp_path / "kvpress-1of2")
         settings = command[command.index("--settings") + 1]
         assert settings == ("aware,agnostic" if plan.agnostic else "aware"), key
+        assert "--attention" not in command  # no peer answers yet: the first part decides
     assert board.PLANS[("smollm2-135m", 4096)].kvpress_settings() == "aware,agnostic"
+
+
+def test_every_peer_part_of_a_board_computes_attention_as_its_first_did(tmp_path):
+    """KVzip's part (and its full-attention answers, merged with the other parts') follows
+    the attention of the board's kvpress answers, whichever this machine would choose."""
+
+    class Args:
+        kvpress_python, model, length, samples = "py", "m", 4096, 2
+
+    plan = board.PLANS[("smollm2-135m", 4096)]
+    kvzip = board.sweeps(plan)["kvzip"]
+    part = tmp_path / "kvpress-1of2"
+    part.mkdir()
+    results = part / "kvpress-results.jsonl"
+    for header, expected in [({"peer": "kvpress"}, "bfloat16"),  # from before headers said
+                             ({"peer": "kvpress", "attention": "float32"}, "float32")]:  # fmt: skip
+        results.write_text(json.dumps({"header": header}) + "\n")
+        command = board.kvpress_command(Args, plan, kvzip, ["ruler/vt"], tmp_path / "kvzip-1of2")
+        assert command[command.index("--attention") + 1] == expected
 
 
 def test_archived_answers_seed_a_sweep_on_another_machine(tmp_path):
