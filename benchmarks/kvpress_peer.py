@@ -278,26 +278,22 @@ def attention_numerics(old_header: dict | None, choice: str = "auto") -> str:
     return ATTENTION_IN_BFLOAT16 if fast_bf16 else ATTENTION_IN_FLOAT32
 
 
-def attention_in_float32(onednn_bf16: bool | None = None) -> bool:
-    """The attention counterpart of `products_in_float32`. Where oneDNN takes no bfloat16,
-    torch's bfloat16 SDPA for a few queries against a long cache is several times slower than
-    float32's (one decode step at 3,800 keys: 4.9 against 0.6 ms a layer, one thread, AMD EPYC
-    Zen 3); decoding spent 60 % of each answer there, and answers take 2.4-3.5 times less time
-    this way. The cache stays bfloat16 (KV bytes unchanged); each call upcasts its operands
-    exactly and rounds its output once. A bfloat16 flash kernel differs in rounding its
-    attention weights to bfloat16 for the product with the values. The entry patched is the
-    one kvpress wrapped for its masked keys, so its fake keys still reach the product.
-    Returns whether attention was changed."""
+def attention_in_float32() -> None:
+    """The attention counterpart of `products_in_float32`, for runs whose header says so
+    (`attention_numerics`). Where oneDNN takes no bfloat16, torch's bfloat16 SDPA for a few
+    queries against a long cache is several times slower than float32's (one decode step at
+    3,800 keys: 4.9 against 0.6 ms a layer, one thread, AMD EPYC Zen 3); decoding spent 60 % of
+    each answer there, and answers take 2.4-3.5 times less time this way. The cache stays
+    bfloat16 (KV bytes unchanged); each call upcasts its operands exactly and rounds its output
+    once. A bfloat16 flash kernel differs in rounding its attention weights to bfloat16 for the
+    product with the values. The entry patched is the one kvpress wrapped for its masked keys,
+    so its fake keys still reach the product."""
     import torch
     from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
-    if onednn_bf16 is None:
-        onednn_bf16 = bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
-    if onednn_bf16:
-        return False
     inner = ALL_ATTENTION_FUNCTIONS[ATTENTION]
     if getattr(inner, "upcasts", False):
-        return True
+        return
 
     def in_float32(module, query, key, value, attention_mask, *args, **kwargs):
         if query.dtype != torch.bfloat16:
@@ -310,7 +306,6 @@ def attention_in_float32(onednn_bf16: bool | None = None) -> bool:
 
     in_float32.upcasts = True
     ALL_ATTENTION_FUNCTIONS[ATTENTION] = in_float32
-    return True
 
 
 def first_difference(a: list[int], b: list[int]) -> int | None:
@@ -633,7 +628,7 @@ def run_jobs(args) -> None:
     pipe = load_pipeline(spec["model"])
     linear = LINEAR_IN_FLOAT32 if products_in_float32(pipe.model) else DTYPE
     if spec.get("attention") == ATTENTION_IN_FLOAT32:
-        attention_in_float32(onednn_bf16=False)
+        attention_in_float32()
     probe = Probe(pipe)
     # the first call pays for one-off set-up (thread pools, kernels): a short one before timing
     warm = dict(plan[0][0], context=plan[0][0]["context"][:2000], max_new_tokens=2)
