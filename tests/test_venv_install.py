@@ -8,19 +8,22 @@ installer = load_script("tools", "venv_install")
 
 LISTING = """\
 :env:.find-links='/env/wheels'
+download.index-url='https://download.example/simple'
 global.cert='/etc/ssl/certs/ca-certificates.crt'
 global.constraint='/etc/xdg/pip/constraints.txt'
 global.extra-index-url='file:///opt/pypi/simple file:///opt/pypi-more/simple'
 global.find-links='/opt/wheels'
-user.timeout='60'
+global.timeout='30'
+install.timeout='60'
 """
 
 
-def test_the_strongest_place_of_each_pip_setting_wins():
+def test_pip_installs_settings_are_read_as_pip_install_reads_them():
     settings = installer.parse_pip_config(LISTING)
     assert settings["find-links"] == "/env/wheels"  # PIP_FIND_LINKS over pip.conf
     assert settings["extra-index-url"] == "file:///opt/pypi/simple file:///opt/pypi-more/simple"
-    assert settings["timeout"] == "60"
+    assert settings["timeout"] == "60"  # [install] over [global]
+    assert "index-url" not in settings  # [download] is another command's
 
 
 def test_uv_gets_pips_sources_constraints_and_ca_file():

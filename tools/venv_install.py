@@ -25,8 +25,11 @@ LIST_OPTIONS = {
     "constraint": "--constraint",
 }
 SINGLE_OPTIONS = {"index-url": "--index-url"}
-# where pip reads a setting, weakest first: a later one overrides an earlier
-PRECEDENCE = ["global", "user", "site", ":env:"]
+# `pip config list` prints its files' settings merged, as section.key; for `pip install` the
+# [install] section overrides [global], and PIP_* variables (":env:") override both. Other
+# sections belong to other pip commands.
+PRECEDENCE = ["global", "install", ":env:"]
+UV = "uv==0.13.9"  # the version these installs were checked with
 
 
 def pip_configuration(python: str) -> dict[str, str]:
@@ -37,14 +40,14 @@ def pip_configuration(python: str) -> dict[str, str]:
 
 
 def parse_pip_config(listing: str) -> dict[str, str]:
-    """`pip config list`'s lines (`global.find-links='/opt/wheels'`) as one setting per name,
-    the strongest place's value where several set it."""
+    """`pip config list`'s lines (`global.find-links='/opt/wheels'`) as the settings `pip
+    install` uses, one per name: the strongest section's where several set it."""
     found = []
     for line in listing.splitlines():
         key, _, value = line.partition("=")
-        place, _, name = key.rpartition(".")
-        rank = PRECEDENCE.index(place) if place in PRECEDENCE else 0
-        found.append((rank, name, value.strip().strip("'\"")))
+        section, _, name = key.rpartition(".")
+        if section in PRECEDENCE:
+            found.append((PRECEDENCE.index(section), name, value.strip().strip("'\"")))
     return {name: value for _, name, value in sorted(found, key=lambda item: item[0])}
 
 
@@ -70,7 +73,7 @@ def ensure_uv(venv: Path) -> Path | None:
     uv = venv / "bin" / "uv"
     if not uv.exists():
         done = subprocess.run([str(venv / "bin" / "python"), "-m", "pip", "install", "--quiet",
-                               "--disable-pip-version-check", "uv"])  # fmt: skip
+                               "--disable-pip-version-check", UV])  # fmt: skip
         if done.returncode != 0:
             return None
     return uv
