@@ -227,6 +227,13 @@ def load_pipeline(model_dir: str):
 LINEAR_IN_FLOAT32 = "bfloat16 operands, float32 sums, rounded once (torch's float32 kernels)"
 
 
+def onednn_takes_bfloat16() -> bool:
+    """Whether this CPU's oneDNN computes in bfloat16 (not on AVX2-only x86)."""
+    import torch
+
+    return bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
+
+
 def products_in_float32(model, onednn_bf16: bool | None = None) -> bool:
     """On a CPU whose oneDNN takes no bfloat16 (AVX2-only x86), torch's bfloat16 matrix product
     is a plain loop, several times slower than float32's (a 4K prefill of SmolLM2: 130 s
@@ -240,7 +247,7 @@ def products_in_float32(model, onednn_bf16: bool | None = None) -> bool:
     import torch.nn.functional as F
 
     if onednn_bf16 is None:
-        onednn_bf16 = bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
+        onednn_bf16 = onednn_takes_bfloat16()
     if onednn_bf16:
         return False
 
@@ -268,14 +275,16 @@ def attention_numerics(old_header: dict | None, choice: str = "auto") -> str:
     products where oneDNN takes no bfloat16. The two give different greedy text on long
     answers (20 of 44 answers of two samples, 4 scores), so a run never mixes them, and a
     board's peer runs should share one (`benchmarks/ruler_leaderboard.py` passes it on)."""
-    import torch
-
     if choice != "auto":
         return choice
     if old_header is not None:
-        return old_header.get("attention", ATTENTION_IN_BFLOAT16)
-    fast_bf16 = bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
-    return ATTENTION_IN_BFLOAT16 if fast_bf16 else ATTENTION_IN_FLOAT32
+        return recorded_attention(old_header)
+    return ATTENTION_IN_BFLOAT16 if onednn_takes_bfloat16() else ATTENTION_IN_FLOAT32
+
+
+def recorded_attention(header: dict) -> str:
+    """The attention a header's answers were made with: bfloat16 before headers said."""
+    return header.get("attention", ATTENTION_IN_BFLOAT16)
 
 
 def attention_in_float32() -> None:
@@ -902,7 +911,7 @@ def same_run(old: dict, new: dict) -> bool:
 
     def comparable(header: dict) -> dict:
         kept = {k: v for k, v in header.items() if k not in MACHINE_LOCAL}
-        return {"attention": ATTENTION_IN_BFLOAT16} | kept  # what runs did before saying so
+        return kept | {"attention": recorded_attention(header)}
 
     return comparable(old) == comparable(new)
 
@@ -913,9 +922,9 @@ def written_header(results: Path) -> dict | None:
     return (json.loads(first[0]).get("header") or {}) if first else None
 
 
-def refuse_other_settings(results: Path, header: dict) -> None:
-    """Stop where the answers in `results` were made under another header than `header`."""
-    old = written_header(results)
+def refuse_other_settings(results: Path, old: dict | None, header: dict) -> None:
+    """Stop where the answers in `results` were made under a header (`old`, as
+    `written_header` read it) other than `header`."""
     if old is not None and not same_run(old, header):
         sys.exit(
             f"{results} was made with other settings ({json.dumps(old)}); use another --out, "
@@ -931,9 +940,9 @@ def drive(args) -> None:
         results = Path(args.out) / "kvpress-results.jsonl"
         if not results.exists():
             sys.exit(f"no answers in {args.out} yet: nothing to write records from")
-        attention = attention_numerics(written_header(results), args.attention)
-        header, model_dir, samples = identity(args, attention)
-        refuse_other_settings(results, header)
+        old = written_header(results)
+        header, model_dir, samples = identity(args, attention_numerics(old, args.attention))
+        refuse_other_settings(results, old, header)
         records, _ = write_records(args, header, model_dir, samples)
         log(f"{len(records)} records in {Path(args.out) / 'records.jsonl'}")
         return
@@ -949,8 +958,8 @@ def drive(args) -> None:
         sys.exit(f"compression ratios are fractions in (0, 1), got {args.ratios!r}")
     out = Path(args.out)
     results = out / "kvpress-results.jsonl"
-    attention = attention_numerics(written_header(results) if args.resume else None,
-                                   args.attention)  # fmt: skip
+    old = written_header(results) if args.resume else None  # None: a new results file
+    attention = attention_numerics(old, args.attention)
     header, model_dir, samples = identity(args, attention)
     out.mkdir(parents=True, exist_ok=True)
     jobs_path = out / "jobs.json"
@@ -982,9 +991,8 @@ def drive(args) -> None:
             f"{report['checked']} (sample, setting) pairs tokenize to the prompt's ids"
         )
         sys.exit(1 if report["mismatches"] else 0)
-    if args.resume:
-        refuse_other_settings(results, header)
-    if not args.resume or not results.exists() or results.stat().st_size == 0:
+    refuse_other_settings(results, old, header)
+    if old is None:
         results.write_text(json.dumps({"header": header}) + "\n")
     command = [args.kvpress_python, SCRIPT, "--run", str(jobs_path), "--results", str(results)]
     half = subprocess.Popen(command, env=env)
