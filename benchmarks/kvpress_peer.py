@@ -291,8 +291,8 @@ def attention_in_float32() -> None:
     """The attention counterpart of `products_in_float32`, for runs whose header says so
     (`attention_numerics`). Where oneDNN takes no bfloat16, torch's bfloat16 SDPA for a few
     queries against a long cache is several times slower than float32's (one decode step at
-    3,800 keys: 4.9 against 0.6 ms a layer, one thread, AMD EPYC Zen 3); decoding spent 60 % of
-    each answer there, and answers take 2.4-3.5 times less time this way. The cache stays
+    3,800 keys: 4.9 against 0.6 ms a layer, one thread, AMD EPYC Zen 3), and answers of 120-128
+    tokens took 1.48 times less time this way (docs/ruler.md). The cache stays
     bfloat16 (KV bytes unchanged); each call upcasts its operands exactly and rounds its output
     once. A bfloat16 flash kernel differs in rounding its attention weights to bfloat16 for the
     product with the values. The entry patched is the one kvpress wrapped for its masked keys,
@@ -1077,7 +1077,7 @@ def main() -> None:
         choices=["auto", ATTENTION_IN_BFLOAT16, ATTENTION_IN_FLOAT32],
         default="auto",
         help="float32: attention computed in float32 from the bfloat16 cache (exact upcast, "
-        "one rounding: 2.4-3.5x faster answers where oneDNN takes no bfloat16); bfloat16: "
+        "one rounding: long answers about 1.5x faster where oneDNN takes no bfloat16); bfloat16: "
         "torch's bfloat16 SDPA; auto: what a resumed run was made with, else float32 where "
         "oneDNN takes no bfloat16 (default: auto)",
     )
