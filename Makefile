@@ -243,23 +243,27 @@ $(KVPRESS_STAMP):
 
 # speedkv against vLLM-CPU, llama.cpp, OpenVINO GenAI and transformers' generate, in one run
 # (about 25 minutes on 2 cores, after the environments are built).
+# where a machine's tables go: another class of CPU gets a folder of its own, e.g.
+# `make bench-peers PEERS_OUT=benchmarks/peers-intel-amx`
+PEERS_OUT ?= benchmarks/peers
 bench-peers: install vllm-venv llamacpp-venv openvino-venv
 	$(PY) benchmarks/peers.py --vllm-python $(VLLM_VENV)/bin/python \
 		--llamacpp-python $(LLAMACPP_VENV)/bin/python --gguf $(LLAMACPP_GGUF) \
 		--openvino-python $(OPENVINO_VENV)/bin/python --openvino-model $(OPENVINO_MODEL) \
-		--out benchmarks/peers
+		--out $(PEERS_OUT)
 
 # On a new class of CPU: speedkv's batch-1 figures under the measured kernel choice (beside
 # vLLM-CPU, same run), with torch's kernels only, and with oneDNN kept off AMX, one after the
-# other (benchmarks/kernel-paths/<setting>/; about 25 minutes on 2 cores).
+# other (KERNEL_PATHS_OUT/<setting>/; about 25 minutes on 2 cores).
+KERNEL_PATHS_OUT ?= benchmarks/kernel-paths
 .PHONY: bench-kernel-paths
 bench-kernel-paths: install vllm-venv
 	$(PY) benchmarks/peers.py --vllm-python $(VLLM_VENV)/bin/python --vllm-modes default \
-		--batches "" --out benchmarks/kernel-paths/auto
+		--batches "" --out $(KERNEL_PATHS_OUT)/auto
 	SPEEDKV_KERNELS=torch $(PY) benchmarks/peers.py --vllm-python "" --batches "" \
-		--out benchmarks/kernel-paths/torch
+		--out $(KERNEL_PATHS_OUT)/torch
 	ONEDNN_MAX_CPU_ISA=AVX512_CORE_BF16 $(PY) benchmarks/peers.py --vllm-python "" --batches "" \
-		--out benchmarks/kernel-paths/onednn-without-amx
+		--out $(KERNEL_PATHS_OUT)/onednn-without-amx
 
 .PHONY: results
 results: install

@@ -3,8 +3,9 @@ kernel tests (each kernel against torch's, within its bounds) in a process force
 alternative a CPU may take. torch's kernels only (`SPEEDKV_KERNELS=torch`); every native
 kernel whatever the measured choice (`native`); oneDNN without AMX
 (`ONEDNN_MAX_CPU_ISA=AVX512_CORE_BF16`); ATen without AVX512 (`ATEN_CPU_CAPABILITY=avx2`);
-and native kernels built without AVX512-BF16, so prefill attention and the decode linear
-layer go to torch's and oneDNN's."""
+native kernels built without AMX, so prefill attention runs its AVX512-BF16 products; and
+native kernels built without AVX512-BF16, so prefill attention and the decode linear layer go
+to torch's and oneDNN's."""
 
 from __future__ import annotations
 
@@ -29,19 +30,27 @@ def x86_compiler() -> bool:
         return False
 
 
+def targets_amx() -> bool:
+    return "__AMX_TILE__ 1" in native.compiler_target()[1]
+
+
 PATHS = {
     "torch-kernels": {native.SWITCH: "torch"},
     "every-native-kernel": {native.SWITCH: "native"},
     "onednn-without-amx": {"ONEDNN_MAX_CPU_ISA": "AVX512_CORE_BF16"},
     "aten-without-avx512": {"ATEN_CPU_CAPABILITY": "avx2"},
+    "native-without-amx": {native.ARCH: "-march=native -mno-amx-tile -mno-amx-bf16"},
     "native-without-avx512-bf16": {native.ARCH: "-march=native -mno-avx512bf16"},
 }
+X86_FLAGS = ("native-without-amx", "native-without-avx512-bf16")
 
 
 @pytest.mark.parametrize("path", list(PATHS))
 def test_the_reference_holds_on_every_kernel_path(path):
-    if path == "native-without-avx512-bf16" and not x86_compiler():
+    if path in X86_FLAGS and not x86_compiler():
         pytest.skip("an x86 flag")
+    if path == "native-without-amx" and not targets_amx():
+        pytest.skip("the native kernels here are built without AMX already")
     env = {**os.environ, **PATHS[path]}
     command = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-x", *TESTS]
     done = subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True,

@@ -5,6 +5,7 @@ it says)."""
 from __future__ import annotations
 
 import json
+from dataclasses import asdict
 
 import pytest
 from typer.testing import CliRunner
@@ -12,6 +13,7 @@ from typer.testing import CliRunner
 from speedkv.cli.app import app
 from speedkv.core import native, tuning
 from speedkv.core.tuning import ALL_ROWS, NATIVE, TORCH, KernelChoice
+from speedkv.hf import fused
 
 needs_kernels = pytest.mark.skipif(native.native_ops() is None, reason="no native kernels here")
 
@@ -28,7 +30,8 @@ def fresh_choice():
 def test_a_kind_chosen_for_torch_hides_exactly_its_operators():
     choice = KernelChoice(prefill_attention=TORCH, layer_ops=TORCH)
     assert choice.hidden_operators() == {
-        "causal_attention", "rms_norm", "add_rms_norm", "silu_mul", "rotary_split"
+        "causal_attention", "prefill_attention_unit",
+        "rms_norm", "add_rms_norm", "silu_mul", "rotary_split",
     }  # fmt: skip
     assert KernelChoice().hidden_operators() == set()
     assert KernelChoice.torch_only().hidden_operators() >= {"packed_linear", "decode_attention"}
@@ -106,6 +109,11 @@ def test_the_choice_is_measured_once_and_stored_per_setting(monkeypatch, tmp_pat
     tuning.kernel_choice()
     assert len(measured) == 2 and len(list(tmp_path.glob("choice-*.json"))) == 2
 
+    monkeypatch.setattr(native, "sources_key", lambda: "kernels of another version")
+    tuning.kernel_choice.cache_clear()
+    tuning.kernel_choice()  # a choice between other kernels does not hold for these
+    assert len(measured) == 3 and len(list(tmp_path.glob("choice-*.json"))) == 3
+
 
 def stored_name(choice: KernelChoice, root) -> str:
     return next(root.glob("choice-*.json")).name
@@ -118,6 +126,11 @@ def test_a_stored_choice_of_another_version_is_measured_again(monkeypatch, tmp_p
     tuning.choice_path().write_text(json.dumps({"an_old_field": 1}))
     monkeypatch.setattr(tuning, "measure", lambda ops: KernelChoice(decode_attention=TORCH))
     assert tuning.kernel_choice().decode_attention == TORCH
+    # one that did not choose every kind of work this version chooses
+    older = {k: v for k, v in asdict(KernelChoice(layer_ops=TORCH)).items() if k != "layer_ops"}
+    tuning.choice_path().write_text(json.dumps(older))
+    tuning.kernel_choice.cache_clear()
+    assert tuning.kernel_choice().decode_attention == TORCH  # measured again
 
 
 @needs_kernels
@@ -132,6 +145,23 @@ def test_measuring_times_every_kind_of_work_here():
     if native.has_linear_kernel(native.native_ops()):
         assert {f"decode_linear_{rows}" for rows in tuning.ROWS} <= set(choice.timings)
         assert choice.decode_linear_native_rows in (0, 1, 8, ALL_ROWS)
+    if fused.onednn_bf16():
+        pair = choice.timings["prefill_linear"]
+        faster = tuning.FLOAT32 if pair["float32"] < tuning.MARGIN * pair["bfloat16"] else None
+        assert choice.prefill_linear == (faster or tuning.BFLOAT16)
+
+
+def test_the_engine_upcasts_prefill_products_where_that_was_measured_faster(monkeypatch):
+    from speedkv.core.engine import Engine
+
+    from conftest import tiny_model
+
+    for chosen in (tuning.FLOAT32, tuning.BFLOAT16):
+        choice = KernelChoice(prefill_linear=chosen)
+        monkeypatch.setattr("speedkv.core.engine.kernel_choice", lambda choice=choice: choice)
+        Engine(tiny_model("llama"))
+        assert fused._float32_products == (chosen == tuning.FLOAT32)
+    fused.prefer_float32_products(False)
 
 
 @pytest.mark.parametrize("hidden", ["prefill_attention", "decode_attention", "layer_ops"])
@@ -164,9 +194,19 @@ def test_doctor_names_the_machine_and_the_choice():
 def test_the_choice_says_where_bfloat16_layers_cannot_use_onednn(monkeypatch, onednn_bf16):
     """On an AVX2-only x86 CPU oneDNN takes no bfloat16 weights: where the choice names oneDNN
     for the linear layers, doctor says bfloat16 ones run on torch's kernels there."""
-    from speedkv.hf import fused
-
     monkeypatch.setattr(fused, "onednn_bf16", lambda: onednn_bf16)
-    (linear,) = [line for line in KernelChoice.torch_only().lines() if "linear" in line]
+    (linear,) = [line for line in KernelChoice.torch_only().lines() if "decode linear" in line]
     assert linear.startswith("decode linear layers: oneDNN for every batch")
     assert ("this CPU's oneDNN takes none" in linear) == (not onednn_bf16)
+
+
+def test_a_candidate_that_fails_here_loses():
+    """torch's bfloat16 attention raises on an AMX CPU whose ATen is kept to AVX2: the tuner
+    must choose the other candidate, not stop."""
+
+    def fails():
+        raise RuntimeError("pack_vnni2 is only supported when avx512 is supported")
+
+    timings = tuning._race({NATIVE: lambda: None, TORCH: fails}, rounds=3)
+    assert timings[TORCH] == float("inf") and timings[NATIVE] < float("inf")
+    assert tuning._faster(timings) == NATIVE

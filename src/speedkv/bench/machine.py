@@ -75,11 +75,11 @@ def kernel_facts() -> dict:
     chosen for each kind of work here (measured once per machine: core/tuning.py)."""
     from speedkv.core import native, tuning
 
+    choice = tuning.kernel_choice()  # first, as it builds what this machine has not yet
     try:
         compiler = native.compiler_target()[0]
         built = native.kernel_status()
     except native.KernelUnavailable as why:
         compiler, built = f"unavailable ({why})", {}
-    choice = tuning.kernel_choice()
     return {"compiler": compiler, "built": built, "mode": tuning.mode(),
             "choice": choice.lines(), "timings_ms": choice.timings}  # fmt: skip

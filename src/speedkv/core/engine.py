@@ -24,9 +24,10 @@ from speedkv.core.prefill import Prefill, PrefillRun
 from speedkv.core.prefix import CachedPrefix, PrefixCache, common_prefix
 from speedkv.core.registry import MethodSpec, make_policy, method_class, method_names
 from speedkv.core.sampling import Sampler, SamplingParams
-from speedkv.core.tuning import engine_kernels, kernel_choice
+from speedkv.core.tuning import FLOAT32, engine_kernels, kernel_choice
 from speedkv.errors import UserError
 from speedkv.hf import loading
+from speedkv.hf.fused import prefer_float32_products
 from speedkv.hf.loading import LoadedModel, wrap_model
 from speedkv.hf.text import Detokenizer, encode_messages, encode_prompt, find_stop
 
@@ -163,6 +164,7 @@ class Engine:
         if self.device.type == "cpu":  # built now if need be, not in the first request's decode
             model.backbone.native_ops = engine_kernels()
             model.backbone.native_linear_rows = kernel_choice().decode_linear_native_rows
+            prefer_float32_products(kernel_choice().prefill_linear == FLOAT32)
 
     @classmethod
     def from_hf(

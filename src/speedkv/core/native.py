@@ -47,7 +47,7 @@ KERNELS = {
     "decode_attention": ("decode_attention", "decode_attention_lanes"),
     "decode_linear": ("pack_linear_weight", "packed_linear"),
     "layer_ops": ("rms_norm", "add_rms_norm", "silu_mul", "rotary_split"),
-    "prefill_attention": ("causal_attention",),
+    "prefill_attention": ("causal_attention", "prefill_attention_unit"),
 }
 HEADERS = ("bf16_pairs.h",)
 SWITCH = "SPEEDKV_KERNELS"  # "torch" turns the native kernels off
@@ -206,6 +206,11 @@ def _compile(name: str, source: Path, build: Path) -> None:
             is_python_module=False,
             verbose=False,
         )
+
+
+def sources_key() -> str:
+    """One digest of every kernel's source: what a measurement of the kernels depends on."""
+    return hashlib.sha256(",".join(_source_key(n, CSRC) for n in KERNELS).encode()).hexdigest()
 
 
 def _source_key(name: str, source_dir: Path) -> str:

@@ -11,6 +11,8 @@ candidates is timed on representative bfloat16 shapes:
 - `decode_linear`: speedkv's packed one-row kernel or oneDNN on the plain weight, at 1, 8 and
   32 rows: batches up to the largest row count the native kernel won at use it. Where the
   native kernel is not used at all, the prepacked copy is oneDNN's own layout.
+- `prefill_linear`: a prefill chunk's bfloat16 products as they are, or in float32 rounded
+  once (where oneDNN runs bfloat16 without AMX, its float32 kernels can be faster).
 
 Candidates are timed in alternating rounds (medians), and torch's kernel replaces a native one
 only when it is more than 10 % faster. The choice is stored beside the built kernels (in the
@@ -28,7 +30,7 @@ import os
 import statistics
 import time
 from collections.abc import Callable
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 
 import torch
@@ -45,6 +47,7 @@ ROWS = (1, 8, 32)  # decode batch sizes the linear layers are timed at
 # which native operators a kind of work uses (each kind's own source): a kind chosen for torch
 # hides them
 KINDS = ("prefill_attention", "decode_attention", "layer_ops", "decode_linear")
+BFLOAT16, FLOAT32 = "bfloat16", "float32"  # the candidates of prefill_linear
 
 
 @dataclass
@@ -58,6 +61,7 @@ class KernelChoice:
     # decode batches of up to this many rows use the prepacked weights, larger ones the plain
     # weights through oneDNN
     decode_linear_native_rows: int = ALL_ROWS
+    prefill_linear: str = BFLOAT16  # or FLOAT32: products upcast, rounded once
     timings: dict[str, dict[str, float]] = field(default_factory=dict)
 
     @classmethod
@@ -79,11 +83,16 @@ class KernelChoice:
         )  # fmt: skip
         if not fused.onednn_bf16():  # where oneDNN is named, bfloat16 layers cannot use it
             linear += " (bfloat16 weights on torch's kernels: this CPU's oneDNN takes none)"
+        prefill = self.prefill_attention
+        ops = native.native_ops()
+        if prefill == NATIVE and ops is not None and hasattr(ops, "prefill_attention_unit"):
+            prefill += f" (products on {ops.prefill_attention_unit()})"
         return [
-            f"prefill attention: {self.prefill_attention}",
+            f"prefill attention: {prefill}",
             f"decode attention: {self.decode_attention}",
             f"layer small operations: {self.layer_ops}",
             f"decode linear layers: {linear}",
+            f"prefill linear layers: {self.prefill_linear} products",
         ]
 
 
@@ -120,9 +129,13 @@ def _store(path: Path, choice: KernelChoice) -> None:
 
 
 def _stored(path: Path) -> KernelChoice | None:
-    """The choice stored at `path`; None if there is none or another version wrote it."""
+    """The choice stored at `path`; None if there is none or another version wrote it (one
+    that chose between other kinds of work)."""
     try:
-        return KernelChoice(**json.loads(path.read_text()))
+        stored = json.loads(path.read_text())
+        if set(stored) != {f.name for f in fields(KernelChoice)}:
+            return None
+        return KernelChoice(**stored)
     except (OSError, TypeError, ValueError):
         return None
 
@@ -145,11 +158,12 @@ TORCH_KERNEL_SETTINGS = ("ONEDNN_MAX_CPU_ISA", "ATEN_CPU_CAPABILITY")
 
 def choice_path() -> Path:
     """Where this machine's choice is stored: beside its kernels, one file per thread count
-    (as set, by OMP_NUM_THREADS or --threads) and setting of the variables that change torch's
-    kernels."""
+    (as set, by OMP_NUM_THREADS or --threads), setting of the variables that change torch's
+    kernels and version of the kernels' sources (a new version is measured again)."""
     settings = ",".join(
         [f"threads={torch.get_num_threads()}",
-         *(f"{k}={os.environ.get(k, '')}" for k in TORCH_KERNEL_SETTINGS)]
+         *(f"{k}={os.environ.get(k, '')}" for k in TORCH_KERNEL_SETTINGS),
+         f"sources={native.sources_key()}"]
     )  # fmt: skip
     digest = hashlib.sha256(settings.encode()).hexdigest()[:8]
     return native.kernels_root() / f"choice-{digest}.json"
@@ -234,6 +248,14 @@ def measure(ops) -> KernelChoice:
         choice.decode_linear = NATIVE if wins else TORCH
     else:
         choice.decode_linear = TORCH
+
+    if fused.onednn_bf16():  # a prefill chunk's rows (elsewhere they are always upcast)
+        x, w = torch.randn(512, 2048, dtype=bf16), torch.randn(2048, 2048, dtype=bf16)
+        timings["prefill_linear"] = pair = _race({
+            BFLOAT16: lambda: F.linear(x, w),
+            FLOAT32: lambda: fused.linear_in_float32(x, w, None),
+        })  # fmt: skip
+        choice.prefill_linear = FLOAT32 if pair[FLOAT32] < MARGIN * pair[BFLOAT16] else BFLOAT16
     return choice
 
 
@@ -254,13 +276,23 @@ def _faster(pair: dict[str, float]) -> str:
 
 def _race(candidates: dict[str, Callable[[], object]], rounds: int = 9) -> dict[str, float]:
     """Median milliseconds of each candidate, timed in alternating rounds after a warm-up
-    call each, so that a noisy neighbour slows every candidate alike."""
+    call each, so that a noisy neighbour slows every candidate alike. A candidate that fails
+    here loses (infinite time): torch's bfloat16 attention raises on an AMX CPU whose ATen is
+    kept to AVX2 (`ATEN_CPU_CAPABILITY=avx2`: "pack_vnni2 is only supported when avx512 is
+    supported")."""
     times: dict[str, list[float]] = {name: [] for name in candidates}
-    for run in candidates.values():
-        run()
+    failed = {}
+    for name, run in candidates.items():
+        try:
+            run()
+        except RuntimeError as error:
+            failed[name] = float("inf")
+            log(f"{name} kernel failed here, so it is not chosen: {str(error).splitlines()[0]}")
+    candidates = {name: run for name, run in candidates.items() if name not in failed}
     for _ in range(rounds):
         for name, run in candidates.items():
             start = time.perf_counter()
             run()
             times[name].append(time.perf_counter() - start)
-    return {name: statistics.median(spent) * 1e3 for name, spent in times.items()}
+    measured = {name: statistics.median(spent) * 1e3 for name, spent in times.items() if spent}
+    return measured | failed

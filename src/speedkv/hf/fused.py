@@ -70,7 +70,7 @@ def apply_linear(x: torch.Tensor, tensors: tuple[torch.Tensor | None, ...]) -> t
     if weight.is_mkldnn:
         return torch.ops.mkldnn._linear_pointwise(x, weight, bias, "none", [], "")
     if _bf16_product_is_slow_here(x, weight):
-        return _linear_in_float32(x, weight, bias)
+        return linear_in_float32(x, weight, bias)
     return F.linear(x, weight, bias)
 
 
@@ -79,17 +79,30 @@ def apply_linear(x: torch.Tensor, tensors: tuple[torch.Tensor | None, ...]) -> t
 # float32's on a 4096 x 576 x 1536 product (AMD EPYC Zen 3, one thread). A decode step's few
 # rows stay in bfloat16: converting the whole weight would cost more than the product.
 UPCAST_FROM = 16
+# Rows from which it does so where the engine measured float32 faster on a prefill chunk's
+# product (`prefer_float32_products`: an AVX512 CPU whose oneDNN runs bfloat16 without AMX,
+# say); decode batches, which would convert the weight for a few rows, stay below it.
+MEASURED_UPCAST_FROM = 128
+_float32_products = False  # set by `prefer_float32_products`
+
+
+def prefer_float32_products(enabled: bool) -> None:
+    """Run bfloat16 CPU products of MEASURED_UPCAST_FROM rows or more in float32, rounded once
+    (the engine sets it from the kernel choice measured on this machine)."""
+    global _float32_products
+    _float32_products = enabled
 
 
 def _bf16_product_is_slow_here(x: torch.Tensor, weight: torch.Tensor) -> bool:
+    if weight.dtype != torch.bfloat16 or not weight.is_cpu:
+        return False
     rows = x.numel() // max(1, x.shape[-1])
-    return (
-        weight.dtype == torch.bfloat16 and weight.is_cpu and rows >= UPCAST_FROM
-        and not onednn_bf16()
-    )  # fmt: skip
+    if not onednn_bf16():
+        return rows >= UPCAST_FROM
+    return _float32_products and rows >= MEASURED_UPCAST_FROM
 
 
-def _linear_in_float32(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None):
+def linear_in_float32(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None):
     """x @ weight.T (+ bias) as a bfloat16 product computes it, float32 sums rounded once,
     through float32's faster kernels."""
     wide_bias = None if bias is None else bias.float()

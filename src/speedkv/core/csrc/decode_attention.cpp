@@ -51,10 +51,16 @@ inline float add_lanes(const Vec& x) {
 // Scores of `count` keys for a tile of G query heads (C vectors a row, held in registers):
 // each key row is read and widened once for the whole tile.
 template <typename T, int C, int G>
-void score_tile(const Vec* q, const T* k, int64_t row_stride, int64_t count, float* scores,
-                int64_t scores_stride) {
+void score_tile(const Vec* q, const T* k, const T* v, int64_t row_stride, int64_t count,
+                float* scores, int64_t scores_stride) {
+  constexpr int64_t kLine = 64 / sizeof(T);  // elements of a cache line
   for (int64_t t = 0; t < count; ++t) {
     const T* key = k + t * row_stride;
+    // the value rows are read next: asking for them now keeps two streams in flight, where
+    // one (a decode step reads its cache from memory, not from the core's caches) leaves
+    // most of the memory bandwidth unused
+    for (int64_t e = 0; e < C * kLanes; e += kLine)
+      __builtin_prefetch(v + t * row_stride + e, 0, 1);
     Vec row[C];
     for (int c = 0; c < C; ++c) row[c] = load_floats(key + c * kLanes);
     for (int g = 0; g < G; ++g) {
@@ -66,14 +72,20 @@ void score_tile(const Vec* q, const T* k, int64_t row_stride, int64_t count, flo
 }
 
 // The weighted sum of `count` value rows for a tile of G query heads, accumulated in registers.
+// `next_keys`: the `next_count` rows the thread is likely to score next (the following
+// block's keys), asked for meanwhile, as above.
 template <typename T, int C, int G>
 void value_tile(const float* weights, int64_t weights_stride, const T* v, int64_t row_stride,
-                int64_t count, float* acc) {
+                int64_t count, float* acc, const T* next_keys, int64_t next_count) {
+  constexpr int64_t kLine = 64 / sizeof(T);
   Vec sums[G][C];
   for (int g = 0; g < G; ++g)
     for (int c = 0; c < C; ++c) sums[g][c] = Vec(0.f);
   for (int64_t t = 0; t < count; ++t) {
     const T* value = v + t * row_stride;
+    if (t < next_count)
+      for (int64_t e = 0; e < C * kLanes; e += kLine)
+        __builtin_prefetch(next_keys + t * row_stride + e, 0, 1);
     Vec row[C];
     for (int c = 0; c < C; ++c) row[c] = load_floats(value + c * kLanes);
     for (int g = 0; g < G; ++g) {
@@ -112,7 +124,8 @@ constexpr int kTile = C >= 16 ? 1 : (16 / C > 4 ? 4 : 16 / C);
 // group's rows as C float vectors each, already scaled.
 template <typename T, int C>
 void attend_block(const Vec* q, const T* k, const T* v, int64_t row_stride, int64_t count,
-                  int64_t group, float* scores, float* m, float* l, float* acc) {
+                  int64_t next_count, int64_t group, float* scores, float* m, float* l,
+                  float* acc) {
   for (int64_t g0 = 0; g0 < group; g0 += kTile<C>) {
     const int64_t tile = std::min<int64_t>(kTile<C>, group - g0);
     const Vec* qt = q + g0 * C;
@@ -123,10 +136,11 @@ void attend_block(const Vec* q, const T* k, const T* v, int64_t row_stride, int6
 #define SPEEDKV_TILE(G)                                                   \
   case G:                                                                 \
     if constexpr (G <= kTile<C>) {                                        \
-      score_tile<T, C, G>(qt, k, row_stride, count, st, count);           \
+      score_tile<T, C, G>(qt, k, v, row_stride, count, st, count);        \
       for (int g = 0; g < G; ++g)                                         \
         std::tie(m[g0 + g], l[g0 + g]) = soften(st + g * count, count);   \
-      value_tile<T, C, G>(st, count, v, row_stride, count, at);           \
+      value_tile<T, C, G>(st, count, v, row_stride, count, at,           \
+                          k + count * row_stride, next_count);            \
     }                                                                     \
     break;
       SPEEDKV_TILE(1)
@@ -183,10 +197,12 @@ void run(const at::Tensor& q, at::TensorList keys, at::TensorList values, double
         continue;
       }
       const int64_t offset = task.head * k.stride(0) + task.start * k.stride(1);
+      // the rows after this block in the same head, which the thread's next task reads
+      const int64_t next_count = std::min(count, k.size(1) - task.end);
       attend_block<T, C>(qv.data() + (task.seq * q_heads + task.head * group) * chunks,
                    k.data_ptr<T>() + offset,
                    v.data_ptr<T>() + task.head * v.stride(0) + task.start * v.stride(1),
-                   k.stride(1), count, group, scores.data(), pm, pl, pacc);
+                   k.stride(1), count, next_count, group, scores.data(), pm, pl, pacc);
     }
   });
 

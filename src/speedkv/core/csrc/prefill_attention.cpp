@@ -5,16 +5,24 @@
 // Here both products of attention run on that instruction directly:
 //   scores = Q K^T   with K packed so 16 keys' pairs of dimensions fill one register;
 //   out   += P V     with V packed so 16 dimensions of a pair of keys fill one register.
-// Each task is one query head and a block of kRows queries; it walks the key blocks it may
-// see, keeping a running max and sum per row (online softmax), so the score matrix is never
-// held whole. Scores, softmax and the output sums are float32; the probabilities are rounded
+// Each task is a block of kRows queries of every query head that shares one KV head; it walks
+// the key blocks they may see, keeping a running max and sum per row (online softmax), so the
+// score matrix is never held whole. Scores, softmax and the output sums are float32; the probabilities are rounded
 // to bfloat16 for the second product, as GPU flash kernels do. Tasks are handed out from a
 // shared counter, longest first, because causal blocks differ in cost.
-// Built with -march=native: the compiler's macros say whether this CPU has the instruction.
+// On CPUs with AMX (Intel Xeon since Sapphire Rapids) both products run on its tile unit
+// instead: the packed layouts above are already the ones its bfloat16 tile product takes
+// (pairs of dimensions of 16 keys per row for Q K^T, pairs of keys of 16 dimensions per row for
+// P V), so only the two product steps differ; softmax is the same code. One tile instruction
+// computes a 16 x 16 x 32 product, 16 of the dot-product instruction's.
+// Built with -march=native: the compiler's macros say whether this CPU has the instructions.
 #if defined(__AVX512BF16__) && defined(__AVX512F__) && defined(__AVX512BW__) && \
     defined(__AVX512VL__) && defined(__AVX512DQ__)
 #define SPEEDKV_BF16_PREFILL
 #define CPU_CAPABILITY_AVX512  // ATen's vector types use AVX512
+#if defined(__AMX_TILE__) && defined(__AMX_BF16__)
+#define SPEEDKV_AMX_PREFILL
+#endif
 #endif
 
 #include <ATen/ATen.h>
@@ -32,7 +40,13 @@
 #include <cstdint>
 #include <cstring>
 #include <limits>
+#include <string>
 #include <vector>
+
+#ifdef SPEEDKV_AMX_PREFILL
+#include <sys/syscall.h>
+#include <unistd.h>
+#endif
 
 namespace {
 
@@ -43,6 +57,8 @@ using speedkv::pair_of;
 using speedkv::store_rounded;
 constexpr int64_t kRows = 32;  // queries per task
 constexpr int64_t kKeys = 64;  // keys per block: four registers of 16 scores
+// keys per block on the tile unit: longer blocks spread each row's reductions over more keys
+constexpr int64_t kTileKeys = 128;
 constexpr float kMinusInf = -std::numeric_limits<float>::infinity();
 
 // K of one KV head as tiles of 16 keys: [tile][dim / 2][16 keys][2], zero past the last key.
@@ -74,13 +90,12 @@ void pack_values(const bf16* v, int64_t row_stride, int64_t n, int64_t dim, int6
     }
 }
 
-// scores[r][j] = scale * q_r . k_j for kRows queries and the kKeys keys of one block, four
-// queries at a time against the block's four tiles of 16 keys (16 accumulators).
+// scores[r][j] = q_r . k_j (scaled in soften_block) for kRows queries and the kKeys keys of one
+// block, four queries at a time against the block's four tiles of 16 keys (16 accumulators).
 template <int C>
-void score_block(const bf16* q, const bf16* keys, float scale, float* scores) {
+void score_block(const bf16* q, const bf16* keys, float* scores) {
   constexpr int64_t pairs = C * 8;  // dim / 2
   constexpr int64_t dim = C * 16;
-  const __m512 factor = _mm512_set1_ps(scale);
   for (int64_t r = 0; r < kRows; r += 4) {
     __m512 acc[4][4];
     for (auto& row : acc)
@@ -95,7 +110,7 @@ void score_block(const bf16* q, const bf16* keys, float scale, float* scores) {
     }
     for (int i = 0; i < 4; ++i)
       for (int t = 0; t < 4; ++t)
-        _mm512_storeu_ps(scores + (r + i) * kKeys + t * 16, _mm512_mul_ps(acc[i][t], factor));
+        _mm512_storeu_ps(scores + (r + i) * kKeys + t * 16, acc[i][t]);
   }
 }
 
@@ -122,32 +137,143 @@ void add_values(const bf16* probs, const bf16* values, float* out) {
   }
 }
 
-inline float max_of(const float* x) {
+#ifdef SPEEDKV_AMX_PREFILL
+// Linux hands a process the tile registers' state only when asked (arch_prctl); oneDNN asks
+// too, so this is usually already granted. Without it the tile instructions fault, so the
+// kernel then keeps the AVX512 products.
+bool amx_granted() {
+  static const bool granted = [] {
+    constexpr int kRequestPermission = 0x1023;  // ARCH_REQ_XCOMP_PERM
+    constexpr int kTileData = 18;               // XFEATURE_XTILEDATA
+    return syscall(SYS_arch_prctl, kRequestPermission, kTileData) == 0;
+  }();
+  return granted;
+}
+
+// Every tile 16 rows of 64 bytes: tiles 0-3 hold float32 sums, 4 the left operand, 5 the right
+// one.
+struct TileConfig {
+  uint8_t palette = 1;
+  uint8_t start_row = 0;
+  uint8_t reserved[14] = {};
+  uint16_t bytes_per_row[16] = {};
+  uint8_t rows[16] = {};
+};
+
+void configure_tiles() {
+  TileConfig config;
+  for (int t = 0; t < 6; ++t) {
+    config.bytes_per_row[t] = 64;
+    config.rows[t] = 16;
+  }
+  _tile_loadconfig(&config);
+}
+
+// Tile numbers are part of the instruction, so sums tile `i` is picked by a switch.
+inline void product_into(int i) {
+  switch (i) {
+    case 0: _tile_dpbf16ps(0, 4, 5); break;
+    case 1: _tile_dpbf16ps(1, 4, 5); break;
+    case 2: _tile_dpbf16ps(2, 4, 5); break;
+    default: _tile_dpbf16ps(3, 4, 5); break;
+  }
+}
+
+inline void load_sums(int i, const float* p, int64_t stride_bytes) {
+  switch (i) {
+    case 0: _tile_loadd(0, p, stride_bytes); break;
+    case 1: _tile_loadd(1, p, stride_bytes); break;
+    case 2: _tile_loadd(2, p, stride_bytes); break;
+    default: _tile_loadd(3, p, stride_bytes); break;
+  }
+}
+
+inline void store_sums(int i, float* p, int64_t stride_bytes) {
+  switch (i) {
+    case 0: _tile_stored(0, p, stride_bytes); break;
+    case 1: _tile_stored(1, p, stride_bytes); break;
+    case 2: _tile_stored(2, p, stride_bytes); break;
+    default: _tile_stored(3, p, stride_bytes); break;
+  }
+}
+
+// score_block on the tile unit: per 16 queries, the block's four tiles of 16 keys are four
+// sums tiles, fed 32 dimensions at a time.
+template <int C>
+void score_block_amx(const bf16* q, const bf16* keys, float* scores) {
+  constexpr int64_t pairs = C * 8, dim = C * 16;
+  for (int64_t r = 0; r < kRows; r += 16)
+    for (int64_t first = 0; first < kTileKeys; first += 64) {
+      _tile_zero(0);
+      _tile_zero(1);
+      _tile_zero(2);
+      _tile_zero(3);
+      const bf16* tiles = keys + first * dim;  // its four tiles of 16 keys
+      for (int64_t chunk = 0; chunk < dim / 32; ++chunk) {
+        _tile_loadd(4, q + r * dim + chunk * 32, dim * sizeof(bf16));
+        for (int t = 0; t < 4; ++t) {
+          _tile_loadd(5, tiles + (t * pairs + chunk * 16) * 32, 64);
+          product_into(t);
+        }
+      }
+      for (int t = 0; t < 4; ++t)
+        store_sums(t, scores + r * kTileKeys + first + t * 16, kTileKeys * sizeof(float));
+    }
+}
+
+// add_values on the tile unit: per 16 queries and up to 64 output dimensions, four sums tiles
+// loaded from `out`, fed 32 keys at a time, stored back.
+template <int C>
+void add_values_amx(const bf16* probs, const bf16* values, float* out) {
+  constexpr int64_t dim = C * 16;
+  for (int64_t r = 0; r < kRows; r += 16)
+    for (int c0 = 0; c0 < C; c0 += 4) {
+      const int tiles = std::min(4, C - c0);
+      float* o = out + r * dim + c0 * 16;
+      for (int i = 0; i < tiles; ++i) load_sums(i, o + i * 16, dim * sizeof(float));
+      for (int64_t k0 = 0; k0 < kTileKeys; k0 += 32) {
+        _tile_loadd(4, probs + r * kTileKeys + k0, kTileKeys * sizeof(bf16));
+        for (int i = 0; i < tiles; ++i) {
+          _tile_loadd(5, values + ((k0 / 2) * dim + (c0 + i) * 16) * 2, dim * 2 * sizeof(bf16));
+          product_into(i);
+        }
+      }
+      for (int i = 0; i < tiles; ++i) store_sums(i, o + i * 16, dim * sizeof(float));
+    }
+}
+#endif  // SPEEDKV_AMX_PREFILL
+
+template <int64_t K>
+float max_of(const float* x) {
   __m512 m = _mm512_loadu_ps(x);
-  for (int64_t t = 16; t < kKeys; t += 16) m = _mm512_max_ps(m, _mm512_loadu_ps(x + t));
+  for (int64_t t = 16; t < K; t += 16) m = _mm512_max_ps(m, _mm512_loadu_ps(x + t));
   return _mm512_reduce_max_ps(m);
 }
 
-// Rows of the block's scores become bfloat16 exp(score - running max); the running max,
-// running sum and the output rows so far are updated to the new max.
-template <int C>
-void soften_block(float* scores, const int64_t* last_key, int64_t first_key, float* m, float* l,
-                  float* out, bf16* probs) {
+// Rows of the block's dot products become bfloat16 exp(scale * (dot - running max)), the
+// scale folded into the exponential's argument; the running max (of the unscaled dot products,
+// scale being positive), running sum and the output rows so far are updated to the new max.
+template <int C, int64_t K>
+void soften_block(float* scores, const int64_t* last_key, int64_t first_key, float scale,
+                  float* m, float* l, float* out, bf16* probs) {
   constexpr int64_t dim = C * 16;
   for (int64_t r = 0; r < kRows; ++r) {
-    float* s = scores + r * kKeys;
+    float* s = scores + r * K;
     const int64_t visible = last_key[r] - first_key + 1;  // keys of this block the row sees
-    for (int64_t j = std::max<int64_t>(visible, 0); j < kKeys; ++j) s[j] = kMinusInf;
-    const float peak = std::max(m[r], max_of(s));
-    bf16* p = probs + r * kKeys;
+    for (int64_t j = std::max<int64_t>(visible, 0); j < K; ++j) s[j] = kMinusInf;
+    const float peak = std::max(m[r], max_of<K>(s));
+    bf16* p = probs + r * K;
     if (peak == kMinusInf) {  // nothing visible yet (a padding row): contributes nothing
-      std::fill(p, p + kKeys, bf16(0.f));
+      std::fill(p, p + K, bf16(0.f));
       continue;
     }
-    const float alpha = std::exp(m[r] - peak);  // 0 on the first block (m = -inf)
+    // 0 on the first block (m = -inf); the running max rarely moves after the first blocks,
+    // and a scalar exponential per row and block is a visible share of the kernel
+    const float alpha = peak == m[r] ? 1.f : std::exp((m[r] - peak) * scale);
+    const Vec factor(scale), shift(-peak * scale);
     Vec total(0.f);
-    for (int64_t t = 0; t < kKeys; t += 16) {
-      const Vec e = (Vec::loadu(s + t) - Vec(peak)).exp_u20();
+    for (int64_t t = 0; t < K; t += 16) {
+      const Vec e = at::vec::fmadd(Vec::loadu(s + t), factor, shift).exp_u20();
       total = total + e;
       store_rounded(p + t, static_cast<__m512>(e));
     }
@@ -162,14 +288,15 @@ void soften_block(float* scores, const int64_t* last_key, int64_t first_key, flo
   }
 }
 
-template <int C>
+template <int C, bool kTiles>
 void run(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, double scale,
          at::Tensor& out) {
   constexpr int64_t dim = C * 16;
+  constexpr int64_t kBlock = kTiles ? kTileKeys : kKeys;  // keys per block
   const int64_t q_heads = q.size(0), n_q = q.size(1);
   const int64_t kv_heads = k.size(0), n_k = k.size(1), group = q_heads / kv_heads;
   const int64_t offset = n_k - n_q;  // query i sits at key position offset + i
-  const int64_t padded = (n_k + kKeys - 1) / kKeys * kKeys;
+  const int64_t padded = (n_k + kBlock - 1) / kBlock * kBlock;
 
   std::vector<bf16> keys(kv_heads * padded * dim), values(kv_heads * padded * dim);
   const bf16* k_data = k.data_ptr<bf16>();
@@ -186,53 +313,92 @@ void run(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, double s
     }
   });
 
-  // longest tasks first: later query blocks see more keys
+  // A task is a block of queries of every query head that shares one KV head, so each block
+  // of keys and values is read once for the whole group while it is in the core's cache (at
+  // 8K tokens a KV head's packed keys and values outgrow it). Longest tasks first: later query
+  // blocks see more keys.
   const int64_t blocks = (n_q + kRows - 1) / kRows;
   std::vector<int64_t> order;
-  order.reserve(blocks * q_heads);
+  order.reserve(blocks * kv_heads);
   for (int64_t b = blocks - 1; b >= 0; --b)
-    for (int64_t h = 0; h < q_heads; ++h) order.push_back(b * q_heads + h);
+    for (int64_t h = 0; h < kv_heads; ++h) order.push_back(b * kv_heads + h);
   std::atomic<int64_t> next{0};
   const bf16* q_data = q.data_ptr<bf16>();
   bf16* out_data = out.data_ptr<bf16>();
   const float factor = static_cast<float>(scale);
 
   at::parallel_for(0, at::get_num_threads(), 1, [&](int64_t, int64_t) {
-    std::vector<bf16> q_rows(kRows * dim), probs(kRows * kKeys);
-    std::vector<float> scores(kRows * kKeys), acc(kRows * dim), m(kRows), l(kRows);
+    // per query head of the group: its rows, output sums, running max and sum
+    std::vector<bf16> q_rows(group * kRows * dim), probs(kRows * kBlock);
+    std::vector<float> scores(kRows * kBlock), acc(group * kRows * dim);
+    std::vector<float> m(group * kRows), l(group * kRows);
     std::vector<int64_t> last_key(kRows);
+#ifdef SPEEDKV_AMX_PREFILL
+    if constexpr (kTiles) configure_tiles();  // per thread: tile state is a thread's own
+#endif
     for (int64_t i = next++; i < static_cast<int64_t>(order.size()); i = next++) {
-      const int64_t block = order[i] / q_heads, head = order[i] % q_heads;
-      const int64_t kv = head / group, first = block * kRows;
-      const int64_t rows = std::min(kRows, n_q - first);
-      for (int64_t r = 0; r < kRows; ++r) {
-        bf16* dst = q_rows.data() + r * dim;
-        if (r < rows)
-          std::memcpy(dst, q_data + head * q.stride(0) + (first + r) * q.stride(1),
-                      dim * sizeof(bf16));
-        else
-          std::fill(dst, dst + dim, bf16(0.f));
+      const int64_t block = order[i] / kv_heads, kv = order[i] % kv_heads;
+      const int64_t first = block * kRows, rows = std::min(kRows, n_q - first);
+      for (int64_t r = 0; r < kRows; ++r)
         last_key[r] = r < rows ? offset + first + r : -1;  // padding rows see nothing
-      }
+      for (int64_t g = 0; g < group; ++g)
+        for (int64_t r = 0; r < kRows; ++r) {
+          bf16* dst = q_rows.data() + (g * kRows + r) * dim;
+          const int64_t head = kv * group + g;
+          if (r < rows)
+            std::memcpy(dst, q_data + head * q.stride(0) + (first + r) * q.stride(1),
+                        dim * sizeof(bf16));
+          else
+            std::fill(dst, dst + dim, bf16(0.f));
+        }
       std::fill(m.begin(), m.end(), kMinusInf);
       std::fill(l.begin(), l.end(), 0.f);
       std::fill(acc.begin(), acc.end(), 0.f);
-      const int64_t key_blocks = (offset + first + rows - 1) / kKeys + 1;
+      const int64_t key_blocks = (offset + first + rows - 1) / kBlock + 1;
       for (int64_t kb = 0; kb < key_blocks; ++kb) {
-        score_block<C>(q_rows.data(), keys.data() + (kv * padded + kb * kKeys) * dim, factor,
-                       scores.data());
-        soften_block<C>(scores.data(), last_key.data(), kb * kKeys, m.data(), l.data(),
-                        acc.data(), probs.data());
-        add_values<C>(probs.data(), values.data() + (kv * padded + kb * kKeys) * dim,
-                      acc.data());
+        const bf16* block_keys = keys.data() + (kv * padded + kb * kBlock) * dim;
+        const bf16* block_values = values.data() + (kv * padded + kb * kBlock) * dim;
+        for (int64_t g = 0; g < group; ++g) {
+          const bf16* g_rows = q_rows.data() + g * kRows * dim;
+          float* g_acc = acc.data() + g * kRows * dim;
+#ifdef SPEEDKV_AMX_PREFILL
+          if constexpr (kTiles) {
+            score_block_amx<C>(g_rows, block_keys, scores.data());
+          } else
+#endif
+            score_block<C>(g_rows, block_keys, scores.data());
+          soften_block<C, kBlock>(scores.data(), last_key.data(), kb * kBlock, factor,
+                                  m.data() + g * kRows, l.data() + g * kRows, g_acc,
+                                  probs.data());
+#ifdef SPEEDKV_AMX_PREFILL
+          if constexpr (kTiles) {
+            add_values_amx<C>(probs.data(), block_values, g_acc);
+          } else
+#endif
+            add_values<C>(probs.data(), block_values, g_acc);
+        }
       }
-      for (int64_t r = 0; r < rows; ++r) {
-        bf16* o = out_data + (head * n_q + first + r) * dim;
-        const float inv = 1.f / l[r];
-        for (int64_t d = 0; d < dim; ++d) o[d] = bf16(acc[r * dim + d] * inv);
-      }
+      for (int64_t g = 0; g < group; ++g)
+        for (int64_t r = 0; r < rows; ++r) {
+          bf16* o = out_data + ((kv * group + g) * n_q + first + r) * dim;
+          const float* sums = acc.data() + (g * kRows + r) * dim;
+          const float inv = 1.f / l[g * kRows + r];
+          for (int64_t d = 0; d < dim; ++d) o[d] = bf16(sums[d] * inv);
+        }
     }
+#ifdef SPEEDKV_AMX_PREFILL
+    if constexpr (kTiles) _tile_release();
+#endif
   });
+}
+
+template <int C>
+void run_on_best_unit(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+                      double scale, at::Tensor& out) {
+#ifdef SPEEDKV_AMX_PREFILL
+  if (amx_granted()) return run<C, true>(q, k, v, scale, out);
+#endif
+  run<C, false>(q, k, v, scale, out);
 }
 
 at::Tensor causal_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
@@ -254,18 +420,27 @@ at::Tensor causal_attention(const at::Tensor& q, const at::Tensor& k, const at::
   at::Tensor out = at::empty({q.size(0), q.size(1), q.size(2)}, q.options());
   if (q.size(1) == 0) return out;
   switch (q.size(2)) {
-    case 32: run<2>(q, k, v, scale, out); break;
-    case 64: run<4>(q, k, v, scale, out); break;
-    case 128: run<8>(q, k, v, scale, out); break;
+    case 32: run_on_best_unit<2>(q, k, v, scale, out); break;
+    case 64: run_on_best_unit<4>(q, k, v, scale, out); break;
+    case 128: run_on_best_unit<8>(q, k, v, scale, out); break;
     default: TORCH_CHECK(false, "head_dim must be 32, 64 or 128");
   }
   return out;
+}
+
+// Which unit runs the products here, for `speedkv doctor`.
+std::string prefill_attention_unit() {
+#ifdef SPEEDKV_AMX_PREFILL
+  if (amx_granted()) return "AMX tiles";
+#endif
+  return "AVX512-BF16";
 }
 
 }  // namespace
 
 TORCH_LIBRARY_FRAGMENT(speedkv, m) {
   m.def("causal_attention(Tensor q, Tensor k, Tensor v, float scale) -> Tensor");
+  m.def("prefill_attention_unit() -> str", &prefill_attention_unit);
 }
 
 TORCH_LIBRARY_IMPL(speedkv, CPU, m) { m.impl("causal_attention", &causal_attention); }

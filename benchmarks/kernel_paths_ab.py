@@ -1,0 +1,122 @@
+"""speedkv's batch-1 TTFT and TPOT under each kernel setting, this tree against an earlier
+revision, in alternating processes: on a shared machine whose speed drifts by tens of percent
+within minutes, only figures taken turn about in the same window compare.
+
+Each round runs one process per (revision, setting): SmolLM2 in bfloat16 on prepacked weights
+(the CLI's default), `full` and SPEED-22 at each length, 32 new tokens. The table gives the
+medians over the rounds. Settings: `auto` (the measured kernel choice), `torch`
+(SPEEDKV_KERNELS=torch) and `onednn-without-amx` (ONEDNN_MAX_CPU_ISA=AVX512_CORE_BF16).
+
+    python benchmarks/kernel_paths_ab.py --before HEAD~3 --rounds 3 --out runs/kernel-paths-ab
+
+The earlier revision is checked out in a temporary git worktree and imported from there.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+SETTINGS = {
+    "auto": {},
+    "torch": {"SPEEDKV_KERNELS": "torch"},
+    "onednn-without-amx": {"ONEDNN_MAX_CPU_ISA": "AVX512_CORE_BF16"},
+}
+METHODS = {"full": "full", "SPEED-22": "speed:lcut=22,anchors=bos"}
+
+
+def measure(lengths: list[int]) -> dict:
+    """One process's figures (run with --child)."""
+    import torch
+
+    from speedkv import Engine, Request, SamplingParams, load_model
+    from speedkv.prompts.builders import exact_chat_prompt
+
+    torch.set_num_threads(2)
+    model = load_model("smollm2-135m", dtype="bfloat16", progress=False)
+    engine = Engine(model, prepack=True)
+    sampling = SamplingParams(max_new_tokens=32, ignore_eos=True)
+    figures = {}
+    for name, spec in METHODS.items():
+        policy = engine._policy(spec)
+        engine.generate([Request(exact_chat_prompt(model.tokenizer, 256), policy, sampling)])
+        for n in lengths:
+            prompt = exact_chat_prompt(model.tokenizer, n)
+            g = engine.generate([Request(prompt, policy, sampling)])[0]
+            figures[f"{name} {n}"] = {"ttft_s": g.ttft_s, "tpot_ms": g.tpot_s * 1e3}
+    return figures
+
+
+def run_one(source: Path, setting: str, lengths: str) -> dict:
+    env = {**os.environ, **SETTINGS[setting], "PYTHONPATH": str(source / "src")}
+    command = [sys.executable, __file__, "--child", "--lengths", lengths]
+    done = subprocess.run(command, env=env, capture_output=True, text=True, check=True)
+    return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+def table(rows: list[dict], lengths: list[int]) -> str:
+    keys = [f"{m} {n}" for m in METHODS for n in lengths]
+    head = "| code | setting | rounds | " + " | ".join(
+        f"{k} TTFT s | {k} TPOT ms" for k in keys
+    ) + " |"  # fmt: skip
+    lines = [head, "|---|---|---:|" + "---:|" * (2 * len(keys))]
+    groups: dict[tuple[str, str], list[dict]] = {}
+    for r in rows:
+        groups.setdefault((r["code"], r["setting"]), []).append(r["figures"])
+    for (code, setting), runs in groups.items():
+        cells = []
+        for k in keys:
+            cells.append(f"{statistics.median(f[k]['ttft_s'] for f in runs):.2f}")
+            cells.append(f"{statistics.median(f[k]['tpot_ms'] for f in runs):.1f}")
+        lines.append(f"| {code} | {setting} | {len(runs)} | " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--before", default="HEAD", help="the earlier revision (git)")
+    parser.add_argument("--settings", default=",".join(SETTINGS))
+    parser.add_argument("--lengths", default="2048,8128")
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--out", type=Path, default=Path("runs/kernel-paths-ab"))
+    parser.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    lengths = [int(n) for n in args.lengths.split(",")]
+    if args.child:
+        print(json.dumps(measure(lengths)))
+        return
+    args.out.mkdir(parents=True, exist_ok=True)
+    rows: list[dict] = []
+    with tempfile.TemporaryDirectory() as folder:
+        before = Path(folder) / "before"
+        subprocess.run(["git", "-C", str(ROOT), "worktree", "add", "--detach", str(before),
+                        args.before], check=True, capture_output=True)  # fmt: skip
+        try:
+            for round_ in range(args.rounds):
+                for setting in args.settings.split(","):
+                    for code, source in ((f"before ({args.before})", before), ("this tree", ROOT)):
+                        figures = run_one(source, setting, args.lengths)
+                        rows.append({"round": round_, "code": code, "setting": setting,
+                                     "figures": figures})  # fmt: skip
+                        print(f"[kernel-paths-ab] round {round_ + 1}/{args.rounds} {setting} "
+                              f"{code}: " + ", ".join(
+                                  f"{k} {v['ttft_s']:.2f} s / {v['tpot_ms']:.1f} ms"
+                                  for k, v in figures.items()), flush=True)  # fmt: skip
+                        (args.out / "results.json").write_text(json.dumps(rows, indent=1))
+        finally:
+            subprocess.run(["git", "-C", str(ROOT), "worktree", "remove", "--force",
+                            str(before)], check=False)  # fmt: skip
+    text = table(rows, lengths)
+    (args.out / "table.md").write_text(text + "\n")
+    print(text)
+
+
+if __name__ == "__main__":
+    main()
