@@ -106,6 +106,18 @@ def fill_spec(template: str, layers: int, tokens: int) -> str:
     return template.format(L=layers, T=tokens)
 
 
+def compiler_targets(*macros: str) -> bool:
+    """Whether the native kernels' compiler predefines every one of `macros` for its target
+    here (`"__AMX_TILE__"`, ...); False where nothing can be compiled."""
+    from speedkv.core import native
+
+    try:
+        defined = {line.split()[0] for line in native.compiler_target()[1]}
+    except native.KernelUnavailable:
+        return False
+    return set(macros) <= defined
+
+
 def load_benchmark(name: str) -> ModuleType:
     """A script under benchmarks/ (not a package) imported as a module, for its functions."""
     return load_script("benchmarks", name)

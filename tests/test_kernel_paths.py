@@ -18,20 +18,11 @@ import pytest
 
 from speedkv.core import native
 
+from helpers import compiler_targets
+
 ROOT = Path(__file__).resolve().parents[1]
 TESTS = ["tests/test_engine_equivalence.py", "tests/test_decode_kernels.py",
          "tests/test_prefill_kernel.py"]  # fmt: skip
-
-
-def x86_compiler() -> bool:
-    try:
-        return any(m.startswith("__x86_64") for m in native.compiler_target()[1])
-    except native.KernelUnavailable:
-        return False
-
-
-def targets_amx() -> bool:
-    return "__AMX_TILE__ 1" in native.compiler_target()[1]
 
 
 PATHS = {
@@ -47,9 +38,9 @@ X86_FLAGS = ("native-without-amx", "native-without-avx512-bf16")
 
 @pytest.mark.parametrize("path", list(PATHS))
 def test_the_reference_holds_on_every_kernel_path(path):
-    if path in X86_FLAGS and not x86_compiler():
+    if path in X86_FLAGS and not compiler_targets("__x86_64__"):
         pytest.skip("an x86 flag")
-    if path == "native-without-amx" and not targets_amx():
+    if path == "native-without-amx" and not compiler_targets("__AMX_TILE__"):
         pytest.skip("the native kernels here are built without AMX already")
     env = {**os.environ, **PATHS[path]}
     command = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-x", *TESTS]

@@ -13,6 +13,7 @@ from speedkv.core.registry import make_policy
 from speedkv.hf.loading import LoadedModel
 
 from conftest import TINY, random_prompt
+from helpers import compiler_targets
 
 
 @pytest.fixture(scope="module")
@@ -194,7 +195,7 @@ def test_engine_prefill_on_the_native_kernel_is_as_close_to_float32_as_torchs(
 def test_native_prefill_kernel_is_built_where_the_cpu_has_bf16_dot_products():
     """On a CPU with AVX512-BF16 and a compiler (this machine, CI) the suite must run the
     native prefill kernel, not only torch's."""
-    if native.native_ops() is None or "__AVX512BF16__ 1" not in native.compiler_target()[1]:
+    if native.native_ops() is None or not compiler_targets("__AVX512BF16__"):
         pytest.skip("this CPU has no AVX512-BF16, or nothing can be compiled here")
     assert native.has_prefill_kernel(native.native_ops())
 
@@ -202,7 +203,7 @@ def test_native_prefill_kernel_is_built_where_the_cpu_has_bf16_dot_products():
 def test_the_products_run_on_amx_tiles_where_the_compiler_targets_them(ops):
     """On a CPU with AMX (this machine if an Intel Xeon since Sapphire Rapids) the tests above
     ran the tile path; elsewhere the dot-product path. Which one is said, for `doctor`."""
-    targets_amx = {"__AMX_TILE__ 1", "__AMX_BF16__ 1"} <= set(native.compiler_target()[1])
+    targets_amx = compiler_targets("__AMX_TILE__", "__AMX_BF16__")
     cpuinfo = Path("/proc/cpuinfo")
     # Linux lists amx_tile only where it hands processes the tile state
     granted = cpuinfo.is_file() and " amx_tile" in cpuinfo.read_text()

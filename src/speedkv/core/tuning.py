@@ -255,7 +255,7 @@ def measure(ops) -> KernelChoice:
             BFLOAT16: lambda: F.linear(x, w),
             FLOAT32: lambda: fused.linear_in_float32(x, w, None),
         })  # fmt: skip
-        choice.prefill_linear = FLOAT32 if pair[FLOAT32] < MARGIN * pair[BFLOAT16] else BFLOAT16
+        choice.prefill_linear = _faster(pair, kept=BFLOAT16, challenger=FLOAT32)
     return choice
 
 
@@ -265,13 +265,15 @@ def rows_before(rows: int) -> int:
     return ROWS[index - 1] if index else 0
 
 
-# torch's kernel must beat a native one by this much to replace it: the native kernels are
-# fused, and save memory traffic around them that an isolated timing does not see
+# a challenger must beat the kept candidate by this much to replace it: torch's kernel a native
+# one (the native kernels are fused, and save memory traffic around them that an isolated
+# timing does not see), float32 prefill products bfloat16 ones (the upcast copies are not free)
 MARGIN = 0.9
 
 
-def _faster(pair: dict[str, float]) -> str:
-    return TORCH if pair[TORCH] < MARGIN * pair[NATIVE] else NATIVE
+def _faster(pair: dict[str, float], kept: str = NATIVE, challenger: str = TORCH) -> str:
+    """The candidate to use: `challenger` only where it beats `kept` by the margin."""
+    return challenger if pair[challenger] < MARGIN * pair[kept] else kept
 
 
 def _race(candidates: dict[str, Callable[[], object]], rounds: int = 9) -> dict[str, float]:

@@ -48,19 +48,24 @@ inline float add_lanes(const Vec& x) {
   return at::vec::vec_reduce_all<float>([](Vec& a, Vec& b) { return a + b; }, x);
 }
 
+// Asks the memory for a row of C vectors that is read soon. A decode step reads its cache from
+// memory, not from the core's caches, and one stream of rows at a time leaves most of the
+// memory bandwidth unused: the kernel keeps a second one in flight.
+template <typename T, int C>
+inline void prefetch_row(const T* row) {
+  constexpr int64_t kLine = 64 / sizeof(T);  // elements of a cache line
+  for (int64_t e = 0; e < C * kLanes; e += kLine) __builtin_prefetch(row + e, 0, 1);
+}
+
 // Scores of `count` keys for a tile of G query heads (C vectors a row, held in registers):
-// each key row is read and widened once for the whole tile.
+// each key row is read and widened once for the whole tile; the value rows, read next, are
+// asked for meanwhile.
 template <typename T, int C, int G>
 void score_tile(const Vec* q, const T* k, const T* v, int64_t row_stride, int64_t count,
                 float* scores, int64_t scores_stride) {
-  constexpr int64_t kLine = 64 / sizeof(T);  // elements of a cache line
   for (int64_t t = 0; t < count; ++t) {
     const T* key = k + t * row_stride;
-    // the value rows are read next: asking for them now keeps two streams in flight, where
-    // one (a decode step reads its cache from memory, not from the core's caches) leaves
-    // most of the memory bandwidth unused
-    for (int64_t e = 0; e < C * kLanes; e += kLine)
-      __builtin_prefetch(v + t * row_stride + e, 0, 1);
+    prefetch_row<T, C>(v + t * row_stride);
     Vec row[C];
     for (int c = 0; c < C; ++c) row[c] = load_floats(key + c * kLanes);
     for (int g = 0; g < G; ++g) {
@@ -73,19 +78,16 @@ void score_tile(const Vec* q, const T* k, const T* v, int64_t row_stride, int64_
 
 // The weighted sum of `count` value rows for a tile of G query heads, accumulated in registers.
 // `next_keys`: the `next_count` rows the thread is likely to score next (the following
-// block's keys), asked for meanwhile, as above.
+// block's keys), asked for meanwhile.
 template <typename T, int C, int G>
 void value_tile(const float* weights, int64_t weights_stride, const T* v, int64_t row_stride,
                 int64_t count, float* acc, const T* next_keys, int64_t next_count) {
-  constexpr int64_t kLine = 64 / sizeof(T);
   Vec sums[G][C];
   for (int g = 0; g < G; ++g)
     for (int c = 0; c < C; ++c) sums[g][c] = Vec(0.f);
   for (int64_t t = 0; t < count; ++t) {
     const T* value = v + t * row_stride;
-    if (t < next_count)
-      for (int64_t e = 0; e < C * kLanes; e += kLine)
-        __builtin_prefetch(next_keys + t * row_stride + e, 0, 1);
+    if (t < next_count) prefetch_row<T, C>(next_keys + t * row_stride);
     Vec row[C];
     for (int c = 0; c < C; ++c) row[c] = load_floats(value + c * kLanes);
     for (int g = 0; g < G; ++g) {

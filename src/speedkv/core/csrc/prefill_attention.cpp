@@ -392,13 +392,22 @@ void run(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, double s
   });
 }
 
+// Whether the products run on AMX tiles here: built for them, and the tile state granted.
+bool on_tiles() {
+#ifdef SPEEDKV_AMX_PREFILL
+  return amx_granted();
+#else
+  return false;
+#endif
+}
+
 template <int C>
 void run_on_best_unit(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
                       double scale, at::Tensor& out) {
-#ifdef SPEEDKV_AMX_PREFILL
-  if (amx_granted()) return run<C, true>(q, k, v, scale, out);
-#endif
-  run<C, false>(q, k, v, scale, out);
+  if (on_tiles())
+    run<C, true>(q, k, v, scale, out);
+  else
+    run<C, false>(q, k, v, scale, out);
 }
 
 at::Tensor causal_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
@@ -429,12 +438,7 @@ at::Tensor causal_attention(const at::Tensor& q, const at::Tensor& k, const at::
 }
 
 // Which unit runs the products here, for `speedkv doctor`.
-std::string prefill_attention_unit() {
-#ifdef SPEEDKV_AMX_PREFILL
-  if (amx_granted()) return "AMX tiles";
-#endif
-  return "AVX512-BF16";
-}
+std::string prefill_attention_unit() { return on_tiles() ? "AMX tiles" : "AVX512-BF16"; }
 
 }  // namespace
 
