@@ -89,6 +89,23 @@ def test_native_prefill_equals_reference(ops, heads, kv_heads, n_q, n_k, dim):
     assert error <= max(2 * torch_error, 8e-3), (error, torch_error)
 
 
+@pytest.mark.parametrize("climb", [1.0, 30.0])
+def test_native_prefill_when_scores_climb(ops, climb):
+    """Later keys outscore earlier ones by more and more, so each row's running max moves
+    again and again (block after block, and by more than the kernel's slack), and the output
+    sums so far must be rescaled each time; then sharp attention (few keys carry a row)."""
+    q, k, v = bf16_inputs(9, 3, 400, 400, 64, seed=1)
+    ramp = torch.linspace(0.1, climb, 400)[None, :, None]
+    k = (k.float() * ramp).bfloat16()
+    got = ops.causal_attention(q, k, v, 0.125)
+    expected = reference(q, k, v)
+    error = (got.double() - expected).abs().max().item()
+    theirs = torch_bf16(q, k, v) if torch_bf16_runs_here() else expected
+    torch_error = (theirs.double() - expected).abs().max().item()
+    # sharp rows are close to one value row (|x| < 4): half a bf16 step there is 1.6e-2
+    assert error <= max(2 * torch_error, 1.6e-2), (error, torch_error)
+
+
 def test_native_prefill_follows_the_scale(ops):
     q, k, v = bf16_inputs(9, 3, 50, 50, 64)
     got = ops.causal_attention(q, k, v, 0.5)

@@ -7,9 +7,10 @@
 //   out   += P V     with V packed so 16 dimensions of a pair of keys fill one register.
 // Each task is a block of kRows queries of every query head that shares one KV head; it walks
 // the key blocks they may see, keeping a running max and sum per row (online softmax), so the
-// score matrix is never held whole. Scores, softmax and the output sums are float32; the probabilities are rounded
-// to bfloat16 for the second product, as GPU flash kernels do. Tasks are handed out from a
-// shared counter, longest first, because causal blocks differ in cost.
+// score matrix is never held whole. Scores, softmax and the output sums are float32; the
+// probabilities are rounded to bfloat16 for the second product, as GPU flash kernels do, so
+// the softmax's exponential needs only float32 to about 1e-4 (a short polynomial). Tasks are
+// handed out from a shared counter, longest first, because causal blocks differ in cost.
 // On CPUs with AMX (Intel Xeon since Sapphire Rapids) both products run on its tile unit
 // instead: the packed layouts above are already the ones its bfloat16 tile product takes
 // (pairs of dimensions of 16 keys per row for Q K^T, pairs of keys of 16 dimensions per row for
@@ -19,7 +20,6 @@
 #if defined(__AVX512BF16__) && defined(__AVX512F__) && defined(__AVX512BW__) && \
     defined(__AVX512VL__) && defined(__AVX512DQ__)
 #define SPEEDKV_BF16_PREFILL
-#define CPU_CAPABILITY_AVX512  // ATen's vector types use AVX512
 #if defined(__AMX_TILE__) && defined(__AMX_BF16__)
 #define SPEEDKV_AMX_PREFILL
 #endif
@@ -30,14 +30,13 @@
 #include <torch/library.h>
 
 #ifdef SPEEDKV_BF16_PREFILL
-#include <ATen/cpu/vec/vec.h>
-
 #include "bf16_pairs.h"
 
 #include <algorithm>
 #include <atomic>
 #include <cmath>
 #include <cstdint>
+#include <cstdlib>
 #include <cstring>
 #include <limits>
 #include <string>
@@ -50,7 +49,6 @@
 
 namespace {
 
-using Vec = at::vec::Vectorized<float>;
 using speedkv::bf16;
 using speedkv::load_pairs;
 using speedkv::pair_of;
@@ -60,6 +58,25 @@ constexpr int64_t kKeys = 64;  // keys per block: four registers of 16 scores
 // keys per block on the tile unit: longer blocks spread each row's reductions over more keys
 constexpr int64_t kTileKeys = 128;
 constexpr float kMinusInf = -std::numeric_limits<float>::infinity();
+
+// A buffer on a 64-byte boundary. A tile row, and each 16 floats the AVX512 code reads, is one
+// cache line only if the buffer starts on one; malloc gives 16 bytes, and lines split by a
+// misaligned start cost up to half the kernel's speed, varying from process to process.
+template <typename T>
+class Aligned {
+ public:
+  explicit Aligned(int64_t n)
+      : data_(static_cast<T*>(std::aligned_alloc(64, (n * sizeof(T) + 63) / 64 * 64))) {
+    TORCH_CHECK(data_ != nullptr, "out of memory for attention buffers");
+  }
+  ~Aligned() { std::free(data_); }
+  Aligned(const Aligned&) = delete;
+  Aligned& operator=(const Aligned&) = delete;
+  T* data() { return data_; }
+
+ private:
+  T* data_;
+};
 
 // K of one KV head as tiles of 16 keys: [tile][dim / 2][16 keys][2], zero past the last key.
 void pack_keys(const bf16* k, int64_t row_stride, int64_t n, int64_t dim, int64_t padded,
@@ -150,8 +167,11 @@ bool amx_granted() {
   return granted;
 }
 
-// Every tile 16 rows of 64 bytes: tiles 0-3 hold float32 sums, 4 the left operand, 5 the right
-// one.
+// Every tile 16 rows of 64 bytes. Each product step is blocked 2 x 2: tiles 0-3 hold the
+// float32 sums of two blocks of 16 rows by two blocks of 16 columns, tiles 4-5 the two left
+// operands, 6-7 the two right ones. Tile registers are not renamed, so a product that waits
+// for its own operand's load stalls the unit; with four independent products per four loads
+// the loads of the next step overlap the products of this one.
 struct TileConfig {
   uint8_t palette = 1;
   uint8_t start_row = 0;
@@ -162,129 +182,152 @@ struct TileConfig {
 
 void configure_tiles() {
   TileConfig config;
-  for (int t = 0; t < 6; ++t) {
+  for (int t = 0; t < 8; ++t) {
     config.bytes_per_row[t] = 64;
     config.rows[t] = 16;
   }
   _tile_loadconfig(&config);
 }
 
-// Tile numbers are part of the instruction, so sums tile `i` is picked by a switch.
-inline void product_into(int i) {
-  switch (i) {
-    case 0: _tile_dpbf16ps(0, 4, 5); break;
-    case 1: _tile_dpbf16ps(1, 4, 5); break;
-    case 2: _tile_dpbf16ps(2, 4, 5); break;
-    default: _tile_dpbf16ps(3, 4, 5); break;
-  }
+// sums (tiles 0-3) += left (4: rows 0-15, 5: rows 16-31) x right (6: columns 0-15, 7: 16-31)
+inline void product_2x2(const void* left, int64_t left_stride, int64_t left_half,
+                        const void* right, int64_t right_stride, int64_t right_half) {
+  const auto* l = static_cast<const char*>(left);
+  const auto* r = static_cast<const char*>(right);
+  _tile_loadd(4, l, left_stride);
+  _tile_loadd(6, r, right_stride);
+  _tile_dpbf16ps(0, 4, 6);
+  _tile_loadd(7, r + right_half, right_stride);
+  _tile_dpbf16ps(1, 4, 7);
+  _tile_loadd(5, l + left_half, left_stride);
+  _tile_dpbf16ps(2, 5, 6);
+  _tile_dpbf16ps(3, 5, 7);
 }
 
-inline void load_sums(int i, const float* p, int64_t stride_bytes) {
-  switch (i) {
-    case 0: _tile_loadd(0, p, stride_bytes); break;
-    case 1: _tile_loadd(1, p, stride_bytes); break;
-    case 2: _tile_loadd(2, p, stride_bytes); break;
-    default: _tile_loadd(3, p, stride_bytes); break;
-  }
+// Tiles 0-3 to or from a 32 x 32 float32 block at `p` (row stride in bytes).
+inline void store_sums_2x2(float* p, int64_t stride) {
+  float* lower = p + 16 * (stride / sizeof(float));
+  _tile_stored(0, p, stride);
+  _tile_stored(1, p + 16, stride);
+  _tile_stored(2, lower, stride);
+  _tile_stored(3, lower + 16, stride);
 }
 
-inline void store_sums(int i, float* p, int64_t stride_bytes) {
-  switch (i) {
-    case 0: _tile_stored(0, p, stride_bytes); break;
-    case 1: _tile_stored(1, p, stride_bytes); break;
-    case 2: _tile_stored(2, p, stride_bytes); break;
-    default: _tile_stored(3, p, stride_bytes); break;
-  }
+inline void load_sums_2x2(const float* p, int64_t stride) {
+  const float* lower = p + 16 * (stride / sizeof(float));
+  _tile_loadd(0, p, stride);
+  _tile_loadd(1, p + 16, stride);
+  _tile_loadd(2, lower, stride);
+  _tile_loadd(3, lower + 16, stride);
 }
 
-// score_block on the tile unit: per 16 queries, the block's four tiles of 16 keys are four
-// sums tiles, fed 32 dimensions at a time.
+// score_block on the tile unit: the kRows (32) queries against 32 keys (two tiles of 16) at a
+// time, fed 32 dimensions per step.
 template <int C>
 void score_block_amx(const bf16* q, const bf16* keys, float* scores) {
+  static_assert(kRows == 32, "the tile blocking covers 32 query rows");
   constexpr int64_t pairs = C * 8, dim = C * 16;
-  for (int64_t r = 0; r < kRows; r += 16)
-    for (int64_t first = 0; first < kTileKeys; first += 64) {
-      _tile_zero(0);
-      _tile_zero(1);
-      _tile_zero(2);
-      _tile_zero(3);
-      const bf16* tiles = keys + first * dim;  // its four tiles of 16 keys
-      for (int64_t chunk = 0; chunk < dim / 32; ++chunk) {
-        _tile_loadd(4, q + r * dim + chunk * 32, dim * sizeof(bf16));
-        for (int t = 0; t < 4; ++t) {
-          _tile_loadd(5, tiles + (t * pairs + chunk * 16) * 32, 64);
-          product_into(t);
-        }
-      }
-      for (int t = 0; t < 4; ++t)
-        store_sums(t, scores + r * kTileKeys + first + t * 16, kTileKeys * sizeof(float));
-    }
+  constexpr int64_t q_stride = dim * sizeof(bf16), key_tile = pairs * 16 * 2 * sizeof(bf16);
+  for (int64_t first = 0; first < kTileKeys; first += 32) {
+    _tile_zero(0);
+    _tile_zero(1);
+    _tile_zero(2);
+    _tile_zero(3);
+    const bf16* tiles = keys + first * dim;  // its two tiles of 16 keys
+    for (int64_t chunk = 0; chunk < dim / 32; ++chunk)
+      product_2x2(q + chunk * 32, q_stride, 16 * q_stride, tiles + chunk * 16 * 32, 64,
+                  key_tile);
+    store_sums_2x2(scores + first, kTileKeys * sizeof(float));
+  }
 }
 
-// add_values on the tile unit: per 16 queries and up to 64 output dimensions, four sums tiles
-// loaded from `out`, fed 32 keys at a time, stored back.
+// add_values on the tile unit: 32 output dimensions of the kRows rows at a time, loaded from
+// `out` into four sums tiles, fed 32 keys per step, stored back.
 template <int C>
 void add_values_amx(const bf16* probs, const bf16* values, float* out) {
   constexpr int64_t dim = C * 16;
-  for (int64_t r = 0; r < kRows; r += 16)
-    for (int c0 = 0; c0 < C; c0 += 4) {
-      const int tiles = std::min(4, C - c0);
-      float* o = out + r * dim + c0 * 16;
-      for (int i = 0; i < tiles; ++i) load_sums(i, o + i * 16, dim * sizeof(float));
-      for (int64_t k0 = 0; k0 < kTileKeys; k0 += 32) {
-        _tile_loadd(4, probs + r * kTileKeys + k0, kTileKeys * sizeof(bf16));
-        for (int i = 0; i < tiles; ++i) {
-          _tile_loadd(5, values + ((k0 / 2) * dim + (c0 + i) * 16) * 2, dim * 2 * sizeof(bf16));
-          product_into(i);
-        }
-      }
-      for (int i = 0; i < tiles; ++i) store_sums(i, o + i * 16, dim * sizeof(float));
-    }
+  constexpr int64_t out_stride = dim * sizeof(float), probs_stride = kTileKeys * sizeof(bf16);
+  constexpr int64_t value_stride = dim * 2 * sizeof(bf16);  // one pair of keys
+  for (int64_t d0 = 0; d0 < dim; d0 += 32) {
+    load_sums_2x2(out + d0, out_stride);
+    for (int64_t k0 = 0; k0 < kTileKeys; k0 += 32)
+      product_2x2(probs + k0, probs_stride, 16 * probs_stride,
+                  values + ((k0 / 2) * dim + d0) * 2, value_stride, 16 * 2 * sizeof(bf16));
+    store_sums_2x2(out + d0, out_stride);
+  }
 }
 #endif  // SPEEDKV_AMX_PREFILL
 
-template <int64_t K>
-float max_of(const float* x) {
-  __m512 m = _mm512_loadu_ps(x);
-  for (int64_t t = 16; t < K; t += 16) m = _mm512_max_ps(m, _mm512_loadu_ps(x + t));
-  return _mm512_reduce_max_ps(m);
+// 2^t for float32 lanes, to about 1e-4 relative (the probabilities are then rounded to
+// bfloat16, 4e-3): 2^(t - floor t) by a cubic, scaled by 2^floor(t) in one instruction (which
+// takes t = -inf, a masked key, to exactly 0, when the cubic's argument stays finite: kMasked
+// clamps it, for the blocks that have masked keys). ATen's exp spends about twice the
+// instructions on accuracy this kernel rounds away.
+template <bool kMasked>
+inline __m512 exp2_lanes(__m512 t) {
+  const __m512 x = kMasked ? _mm512_max_ps(t, _mm512_set1_ps(-127.f)) : t;
+  const __m512 whole = _mm512_roundscale_ps(x, _MM_FROUND_TO_NEG_INF | _MM_FROUND_NO_EXC);
+  const __m512 f = _mm512_sub_ps(x, whole);
+  __m512 p = _mm512_set1_ps(0.0790857012f);  // least squares on [0, 1) at Chebyshev nodes
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(0.224516344f));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(0.696390547f));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(0.999896691f));
+  return _mm512_scalef_ps(p, t);
 }
 
-// Rows of the block's dot products become bfloat16 exp(scale * (dot - running max)), the
-// scale folded into the exponential's argument; the running max (of the unscaled dot products,
-// scale being positive), running sum and the output rows so far are updated to the new max.
+// One row of probabilities 2^(t - max) from its scores (t = c * score), rounded to bfloat16;
+// returns their float32 sums, 16 lanes.
+template <bool kMasked, int64_t K>
+inline __m512 exponentiate_row(const float* s, __m512 factor, __m512 shift, bf16* p) {
+  __m512 total = _mm512_setzero_ps();
+  for (int64_t t = 0; t < K; t += 16) {
+    const __m512 e = exp2_lanes<kMasked>(_mm512_fmadd_ps(_mm512_loadu_ps(s + t), factor, shift));
+    total = _mm512_add_ps(total, e);
+    store_rounded(p + t, e);
+  }
+  return total;
+}
+
+// How far (in powers of 2) a row's scores may rise above its running max before the max is
+// moved. Below it the max stays, so most blocks skip the row's horizontal max, the rescaling
+// of its output sums and its scalar exponential; probabilities stay below 2^kSlack, far inside
+// float32 and bfloat16's range.
+constexpr float kSlack = 8.f;
+
+// Rows of the block's dot products become bfloat16 2^(c * dot - running max), c the scale
+// times log2(e), so the softmax's exponential is one 2^t; the running max (in those units),
+// the running sums (16 lanes a row, added up at the end) and the output rows so far follow
+// it when it moves.
 template <int C, int64_t K>
-void soften_block(float* scores, const int64_t* last_key, int64_t first_key, float scale,
-                  float* m, float* l, float* out, bf16* probs) {
+void soften_block(float* scores, const int64_t* last_key, int64_t first_key, float c,
+                  float* m, __m512* l, float* out, bf16* probs) {
   constexpr int64_t dim = C * 16;
+  const __m512 factor = _mm512_set1_ps(c);
   for (int64_t r = 0; r < kRows; ++r) {
     float* s = scores + r * K;
     const int64_t visible = last_key[r] - first_key + 1;  // keys of this block the row sees
     for (int64_t j = std::max<int64_t>(visible, 0); j < K; ++j) s[j] = kMinusInf;
-    const float peak = std::max(m[r], max_of<K>(s));
+    __m512 top = _mm512_loadu_ps(s);
+    for (int64_t t = 16; t < K; t += 16) top = _mm512_max_ps(top, _mm512_loadu_ps(s + t));
+    top = _mm512_mul_ps(top, factor);  // c > 0: the max of the scaled scores
+    if (_mm512_cmp_ps_mask(top, _mm512_set1_ps(m[r] + kSlack), _CMP_GT_OQ) != 0) {
+      const float peak = _mm512_reduce_max_ps(top);
+      const float alpha = std::exp2(m[r] - peak);  // 0 on a row's first visible block
+      l[r] = _mm512_mul_ps(l[r], _mm512_set1_ps(alpha));
+      const __m512 by = _mm512_set1_ps(alpha);
+      float* o = out + r * dim;
+      for (int i = 0; i < C; ++i)
+        _mm512_storeu_ps(o + i * 16, _mm512_mul_ps(by, _mm512_loadu_ps(o + i * 16)));
+      m[r] = peak;
+    }
     bf16* p = probs + r * K;
-    if (peak == kMinusInf) {  // nothing visible yet (a padding row): contributes nothing
+    if (m[r] == kMinusInf) {  // nothing visible yet (a padding row): contributes nothing
       std::fill(p, p + K, bf16(0.f));
       continue;
     }
-    // 0 on the first block (m = -inf); the running max rarely moves after the first blocks,
-    // and a scalar exponential per row and block is a visible share of the kernel
-    const float alpha = peak == m[r] ? 1.f : std::exp((m[r] - peak) * scale);
-    const Vec factor(scale), shift(-peak * scale);
-    Vec total(0.f);
-    for (int64_t t = 0; t < K; t += 16) {
-      const Vec e = at::vec::fmadd(Vec::loadu(s + t), factor, shift).exp_u20();
-      total = total + e;
-      store_rounded(p + t, static_cast<__m512>(e));
-    }
-    l[r] = l[r] * alpha + _mm512_reduce_add_ps(static_cast<__m512>(total));
-    if (alpha != 1.f) {
-      float* o = out + r * dim;
-      const __m512 a = _mm512_set1_ps(alpha);
-      for (int c = 0; c < C; ++c)
-        _mm512_storeu_ps(o + c * 16, _mm512_mul_ps(a, _mm512_loadu_ps(o + c * 16)));
-    }
-    m[r] = peak;
+    const __m512 shift = _mm512_set1_ps(-m[r]);
+    l[r] = _mm512_add_ps(l[r], visible < K ? exponentiate_row<true, K>(s, factor, shift, p)
+                                           : exponentiate_row<false, K>(s, factor, shift, p));
   }
 }
 
@@ -298,7 +341,7 @@ void run(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, double s
   const int64_t offset = n_k - n_q;  // query i sits at key position offset + i
   const int64_t padded = (n_k + kBlock - 1) / kBlock * kBlock;
 
-  std::vector<bf16> keys(kv_heads * padded * dim), values(kv_heads * padded * dim);
+  Aligned<bf16> keys(kv_heads * padded * dim), values(kv_heads * padded * dim);
   const bf16* k_data = k.data_ptr<bf16>();
   const bf16* v_data = v.data_ptr<bf16>();
   at::parallel_for(0, 2 * kv_heads, 1, [&](int64_t lo, int64_t hi) {
@@ -325,13 +368,14 @@ void run(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, double s
   std::atomic<int64_t> next{0};
   const bf16* q_data = q.data_ptr<bf16>();
   bf16* out_data = out.data_ptr<bf16>();
-  const float factor = static_cast<float>(scale);
+  const float factor = static_cast<float>(scale * 1.4426950408889634);  // times log2(e)
 
   at::parallel_for(0, at::get_num_threads(), 1, [&](int64_t, int64_t) {
     // per query head of the group: its rows, output sums, running max and sum
-    std::vector<bf16> q_rows(group * kRows * dim), probs(kRows * kBlock);
-    std::vector<float> scores(kRows * kBlock), acc(group * kRows * dim);
-    std::vector<float> m(group * kRows), l(group * kRows);
+    Aligned<bf16> q_rows(group * kRows * dim), probs(kRows * kBlock);
+    Aligned<float> scores(kRows * kBlock), acc(group * kRows * dim);
+    std::vector<float> m(group * kRows);
+    std::vector<__m512> l(group * kRows);
     std::vector<int64_t> last_key(kRows);
 #ifdef SPEEDKV_AMX_PREFILL
     if constexpr (kTiles) configure_tiles();  // per thread: tile state is a thread's own
@@ -352,8 +396,8 @@ void run(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, double s
             std::fill(dst, dst + dim, bf16(0.f));
         }
       std::fill(m.begin(), m.end(), kMinusInf);
-      std::fill(l.begin(), l.end(), 0.f);
-      std::fill(acc.begin(), acc.end(), 0.f);
+      std::fill(l.begin(), l.end(), _mm512_setzero_ps());
+      std::fill(acc.data(), acc.data() + group * kRows * dim, 0.f);
       const int64_t key_blocks = (offset + first + rows - 1) / kBlock + 1;
       for (int64_t kb = 0; kb < key_blocks; ++kb) {
         const bf16* block_keys = keys.data() + (kv * padded + kb * kBlock) * dim;
@@ -382,7 +426,7 @@ void run(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, double s
         for (int64_t r = 0; r < rows; ++r) {
           bf16* o = out_data + ((kv * group + g) * n_q + first + r) * dim;
           const float* sums = acc.data() + (g * kRows + r) * dim;
-          const float inv = 1.f / l[g * kRows + r];
+          const float inv = 1.f / _mm512_reduce_add_ps(l[g * kRows + r]);
           for (int64_t d = 0; d < dim; ++d) o[d] = bf16(sums[d] * inv);
         }
     }
