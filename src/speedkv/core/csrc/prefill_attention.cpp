@@ -59,9 +59,8 @@ constexpr int64_t kKeys = 64;  // keys per block: four registers of 16 scores
 constexpr int64_t kTileKeys = 128;
 constexpr float kMinusInf = -std::numeric_limits<float>::infinity();
 
-// A buffer on a 64-byte boundary. A tile row, and each 16 floats the AVX512 code reads, is one
-// cache line only if the buffer starts on one; malloc gives 16 bytes, and lines split by a
-// misaligned start cost up to half the kernel's speed, varying from process to process.
+// A buffer on a 64-byte boundary, so that each tile row and each 16 floats the AVX512 code
+// reads is one cache line, not two (malloc promises 16 bytes).
 template <typename T>
 class Aligned {
  public:
@@ -169,9 +168,8 @@ bool amx_granted() {
 
 // Every tile 16 rows of 64 bytes. Each product step is blocked 2 x 2: tiles 0-3 hold the
 // float32 sums of two blocks of 16 rows by two blocks of 16 columns, tiles 4-5 the two left
-// operands, 6-7 the two right ones. Tile registers are not renamed, so a product that waits
-// for its own operand's load stalls the unit; with four independent products per four loads
-// the loads of the next step overlap the products of this one.
+// operands, 6-7 the two right ones, so each operand loaded feeds two products and the four
+// products of a step do not wait on each other.
 struct TileConfig {
   uint8_t palette = 1;
   uint8_t start_row = 0;
