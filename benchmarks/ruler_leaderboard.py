@@ -59,6 +59,9 @@ from speedkv.cli.options import split_commas
 from speedkv.evals import leaderboard as lb
 from speedkv.evals import ruler
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from kvpress_peer import recorded_attention  # noqa: E402  (the script beside this one)
+
 ROOT = Path(__file__).resolve().parent.parent
 SPEEDKV = str(Path(sys.executable).with_name("speedkv"))  # this environment's CLI
 # kvpress's presses at SPEED's KV ratio; KVzip is a sweep of its own: it replays the context
@@ -257,8 +260,8 @@ def peer_attention(work: Path) -> list[str]:
     for results in sorted(work.glob("*-*of*/kvpress-results.jsonl")):
         first = results.read_text().splitlines()[:1]
         header = json.loads(first[0]).get("header") if first else None
-        if header:  # answers from before headers named it: bfloat16
-            return ["--attention", header.get("attention", "bfloat16")]
+        if header:
+            return ["--attention", recorded_attention(header)]
     return []
 
 
