@@ -32,6 +32,11 @@ using speedkv::pair_of;
 using speedkv::store_rounded;
 constexpr int64_t kOut = 16;  // outputs per tile: one register of float32 sums
 constexpr int64_t kRowsPerPass = 4;  // rows of x sharing each weight load
+// How far ahead of its loads a thread asks for its weights (into L2). A layer's weights are a
+// few MB, a stream too short for the hardware prefetcher to reach full speed: asking 16 KB
+// ahead took 30 layers' products from 13.3-14.0 to 8.2-8.9 ms on an Intel Xeon with AMX
+// (4 KB ahead: 9.6-9.9 ms; 32 KB: 9.3-9.6 ms).
+constexpr int64_t kAheadBytes = 16384;
 
 // 16 pairs of weights as bfloat16 pairs.
 inline __m512bh weight_pairs(const bf16* w) { return load_pairs(w); }
@@ -65,6 +70,10 @@ inline void tile_rows(const bf16* x, int64_t k, const W* w, const float* scale,
   const int64_t pairs = k / 2;
   int64_t p = 0;
   for (; p + 1 < pairs; p += 2) {
+    // this step's bytes, kAheadBytes on (past the tile: the thread's next tile, or nothing)
+    const char* ahead = reinterpret_cast<const char*>(w + p * 2 * kOut) + kAheadBytes;
+    _mm_prefetch(ahead, _MM_HINT_T1);
+    if constexpr (sizeof(W) == 2) _mm_prefetch(ahead + 64, _MM_HINT_T1);
     const __m512bh w0 = weight_pairs(w + p * 2 * kOut);
     const __m512bh w1 = weight_pairs(w + (p + 1) * 2 * kOut);
     for (int r = 0; r < R; ++r) {
