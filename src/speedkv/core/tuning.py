@@ -14,8 +14,9 @@ candidates is timed on representative bfloat16 shapes:
 - `prefill_linear`: a prefill chunk's bfloat16 products as they are, or in float32 rounded
   once (where oneDNN runs bfloat16 without AMX, its float32 kernels can be faster).
 
-Candidates are timed in alternating rounds (medians), and torch's kernel replaces a native one
-only when it is more than 10 % faster. The choice is stored beside the built kernels (in the
+Candidates are timed in alternating rounds (the fastest round of each: on a shared CPU a round
+can only be slowed, and a busy one by whole time slices), and torch's kernel replaces a native
+one only when it is more than 10 % faster. The choice is stored beside the built kernels (in the
 directory the compiler's target names, one file per thread count and setting of the variables
 that change torch's kernels) and used by every later process. `SPEEDKV_KERNELS=native` uses
 every native kernel that builds, `torch` none, `auto` (the default) the measured choice.
@@ -27,7 +28,6 @@ import functools
 import hashlib
 import json
 import os
-import statistics
 import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field, fields
@@ -277,8 +277,10 @@ def _faster(pair: dict[str, float], kept: str = NATIVE, challenger: str = TORCH)
 
 
 def _race(candidates: dict[str, Callable[[], object]], rounds: int = 9) -> dict[str, float]:
-    """Median milliseconds of each candidate, timed in alternating rounds after a warm-up
-    call each, so that a noisy neighbour slows every candidate alike. A candidate that fails
+    """The fastest of each candidate's rounds (ms), timed in alternating rounds after a
+    warm-up call each. Noise only adds time, and on a CPU shared with other busy processes a
+    round can lose whole scheduler time slices (about 12 ms here, more than most candidates
+    take), which can fall on one candidate's rounds more than the other's. A candidate that fails
     here loses (infinite time): torch's bfloat16 attention raises on an AMX CPU whose ATen is
     kept to AVX2 (`ATEN_CPU_CAPABILITY=avx2`: "pack_vnni2 is only supported when avx512 is
     supported")."""
@@ -296,5 +298,5 @@ def _race(candidates: dict[str, Callable[[], object]], rounds: int = 9) -> dict[
             start = time.perf_counter()
             run()
             times[name].append(time.perf_counter() - start)
-    measured = {name: statistics.median(spent) * 1e3 for name, spent in times.items() if spent}
+    measured = {name: min(spent) * 1e3 for name, spent in times.items() if spent}
     return measured | failed
