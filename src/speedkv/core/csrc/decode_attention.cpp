@@ -104,7 +104,8 @@ inline std::pair<float, float> soften(float* scores, int64_t count) {
   // the max in vectors: a scalar scan waits on each compare, about 3 cycles a score
   Vec peaks(-std::numeric_limits<float>::infinity());
   int64_t t = 0;
-  for (; t + kLanes <= count; t += kLanes) peaks = at::vec::maximum(peaks, Vec::loadu(scores + t));
+  for (; t + kLanes <= count; t += kLanes)
+    peaks = at::vec::maximum(peaks, Vec::loadu(scores + t));
   float peak = at::vec::vec_reduce_all<float>(
       [](Vec& a, Vec& b) { return at::vec::maximum(a, b); }, peaks);
   for (; t < count; ++t) peak = std::max(peak, scores[t]);
