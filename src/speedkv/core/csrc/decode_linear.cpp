@@ -35,7 +35,7 @@ constexpr int64_t kRowsPerPass = 4;  // rows of x sharing each weight load
 // How far ahead of its loads a thread asks for its weights (into L2). A layer's weights are a
 // few MB, a stream too short for the hardware prefetcher to reach full speed: asking 16 KB
 // ahead took 30 layers' products from 13.3-14.0 to 8.2-8.9 ms on an Intel Xeon with AMX
-// (4 KB ahead: 9.6-9.9 ms; 32 KB: 9.3-9.6 ms).
+// (4 KB ahead: 9.6-9.9 ms; 32 KB: 9.3-10.6 ms).
 constexpr int64_t kAheadBytes = 16384;
 
 // 16 pairs of weights as bfloat16 pairs.
