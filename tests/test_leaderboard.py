@@ -98,6 +98,19 @@ def test_adapter_and_settings_are_rows_of_their_own(tmp_path: Path) -> None:
     assert "| 0.0 ± 0.0 | 50.0 ± 27.2 |" in table
 
 
+def test_a_shared_prefill_is_question_in_view_whatever_its_record_says(tmp_path: Path) -> None:
+    """Records of a shared prefill (question in view by construction) that an earlier speedkv
+    labelled query-agnostic count as query-aware."""
+    old = write_run(
+        tmp_path / "shared",
+        {"shared_prefill": True},
+        [record(SPEED, t, 0, 1.0, prefill_shared=True, setting="agnostic", context_tokens=None)
+         for t in ruler.TASKS],
+    )  # fmt: skip
+    (row,) = lb.rows_from_runs([old])
+    assert row.setting == lb.AWARE and row.average == 1.0
+
+
 def test_kvpress_settings_share_a_line(tmp_path: Path) -> None:
     records = [
         record(f"kvpress:snapkv,ratio=0.267,setting={s}", t, 0, score, setting=s)

@@ -84,6 +84,7 @@ def test_shared_prefill_gives_the_answers_and_caches_of_separate_prefills(
         assert a["kv_bytes"] == b["kv_bytes"]
         took = b["method"].startswith("speed") or b["method"] == "full"
         assert b.get("prefill_shared", False) is took
+        assert "setting" not in b and "context_tokens" not in b  # the question was in view
         untimed = b["method"].startswith("speed")
         assert (b["ttft_s"] is None, b["ttft_ratio"] is None) == (untimed, untimed)
     recorded = list(dict.fromkeys(r["method"] for r in shared))

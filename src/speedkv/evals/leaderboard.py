@@ -163,6 +163,8 @@ def rows_from_runs(
         adapter = header.get("adapter")
         for r in records:
             setting = r.get("setting", header.get("setting", AWARE))
+            if r.get("prefill_shared"):  # always question in view; speedkv eval before
+                setting = AWARE  # 2026-11-28 labelled these records query-agnostic
             key = (engine, adapter, setting, without_setting(r["method"]), r["length"])
             groups.setdefault(key, {})[(r["task"], r["sample"])] = r
     rows = []

@@ -578,7 +578,8 @@ class EvalRunner:
                 "ttft_ratio": None if ttft_s is None else ttft_s / full["ttft_s"],
                 **({"prefill_shared": True} if method in shared else {}),
                 "seconds": time.perf_counter() - t0,
-                **({"setting": "agnostic", "context_tokens": context} if cached else {}),
+                # a shared prefill is a cache too, but of the whole prompt: question in view
+                **({"setting": "agnostic", "context_tokens": context} if context else {}),
             }
             if method == FULL:
                 reference = record
