@@ -32,10 +32,10 @@ from speedkv.bench.machine import machine_facts
 from speedkv.prompts.builders import exact_chat_prompt
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from peers import SPEED, progress, row  # noqa: E402  (the script beside this one)
+from peers import SPEED, progress, row  # noqa: E402  (the scripts beside this one)
+from vllm_peer import READY, RESULT  # noqa: E402  (stdlib only at import: runs in any venv)
 
 HERE = Path(__file__).resolve().parent
-READY, RESULT = "@@ready ", "@@result "  # vllm_peer.py --serve's answers
 SPEEDKV = "speedkv prepacked"
 
 

@@ -237,7 +237,7 @@ def parse_args(argv=None) -> argparse.Namespace:
         help="after start-up and warm-up (sized by --requests), answer jobs given one JSON a "
         "line on stdin with one '@@result <json>' line each on stdout (one repeat), until "
         "stdin closes: for a caller that interleaves vLLM's runs with its own engine's "
-        "(benchmarks/peers.py --interleave).",
+        "(benchmarks/against_vllm.py).",
     )
     p.add_argument(
         "--cold-compile",
@@ -491,7 +491,7 @@ def _upper_rows(worker):
     return getattr(worker.model_runner.model, "upper_rows", None)
 
 
-READY, RESULT = "@@ready", "@@result "  # the lines --serve answers with on stdout
+READY, RESULT = "@@ready ", "@@result "  # how the lines --serve answers with on stdout start
 
 
 def serve(measure_job, about: dict) -> None:
@@ -499,7 +499,7 @@ def serve(measure_job, about: dict) -> None:
     once, then for each JSON job a line on stdin one line `@@result <json>` on stdout (one
     repeat), until stdin closes. A caller interleaves these with its own engine's runs, so
     slow spells of a shared CPU fall on both engines alike."""
-    print(f"{READY} {json.dumps(about)}", flush=True)
+    print(READY + json.dumps(about), flush=True)
     for line in sys.stdin:
         if line.strip():
             print(RESULT + json.dumps(measure_job(json.loads(line), 1)), flush=True)
