@@ -113,12 +113,16 @@ def test_a_shared_prefill_is_question_in_view_whatever_its_record_says(tmp_path:
 
 def test_kvpress_settings_share_a_line(tmp_path: Path) -> None:
     records = [
-        record(f"kvpress:snapkv,ratio=0.267,setting={s}", t, 0, score, setting=s)
+        # kvpress_peer shares the context's prefill between presses: its records say so
+        record(
+            f"kvpress:snapkv,ratio=0.267,setting={s}", t, 0, score, setting=s, prefill_shared=True
+        )
         for s, score in (("aware", 1.0), ("agnostic", 0.0))
         for t in ruler.TASKS
     ]
-    run = write_run(tmp_path / "kv", {"engine": "kvpress"}, records)
+    run = write_run(tmp_path / "kv", {"peer": "kvpress"}, records)
     rows = lb.rows_from_runs([run])
+    assert {r.setting for r in rows} == {"aware", "agnostic"}
     assert {r.method for r in rows} == {"kvpress:snapkv,ratio=0.267"}
     assert {r.label for r in rows} == {"kvpress SnapKV (KV 0.733)"}
     assert lb.leaderboard_table(rows, 4096).count("kvpress SnapKV") == 1

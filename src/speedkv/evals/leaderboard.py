@@ -163,8 +163,9 @@ def rows_from_runs(
         adapter = header.get("adapter")
         for r in records:
             setting = r.get("setting", header.get("setting", AWARE))
-            if r.get("prefill_shared"):  # always question in view; speedkv eval before
-                setting = AWARE  # 2026-11-28 labelled these records query-agnostic
+            if engine == "speedkv" and r.get("prefill_shared"):  # question always in view;
+                setting = AWARE  # speedkv eval before 2026-11-28 labelled these agnostic
+            # (kvpress's shared prefill is the context's alone: its records name their setting)
             key = (engine, adapter, setting, without_setting(r["method"]), r["length"])
             groups.setdefault(key, {})[(r["task"], r["sample"])] = r
     rows = []
