@@ -5,9 +5,11 @@ it says)."""
 from __future__ import annotations
 
 import json
+import time
 from dataclasses import asdict
 
 import pytest
+import torch
 from typer.testing import CliRunner
 
 from speedkv.cli.app import app
@@ -67,6 +69,39 @@ def test_a_race_times_every_candidate_in_every_round():
     timings = tuning._race({"a": count("a"), "b": count("b")}, rounds=5)
     assert calls == {"a": 6, "b": 6}  # a warm-up call each, then 5 rounds
     assert set(timings) == {"a", "b"} and all(t >= 0 for t in timings.values())
+
+
+@pytest.fixture
+def two_threads():
+    saved = torch.get_num_threads()
+    torch.set_num_threads(2)
+    yield
+    torch.set_num_threads(saved)
+
+
+@pytest.mark.parametrize("load", [0.0, 8.0])
+def test_a_busy_machine_is_timed_on_one_thread_by_its_cpu_time(monkeypatch, two_threads, load):
+    """Under load, rounds on several threads lose time slices at every barrier: the race runs on
+    one thread instead, and a candidate that waits (as a descheduled one does) costs nothing."""
+    monkeypatch.setattr(tuning.os, "getloadavg", lambda: (load, load, load))
+    monkeypatch.setattr(tuning.os, "sched_getaffinity", lambda pid: {0, 1}, raising=False)
+    busy = load > 0
+    threads, clock = tuning.race_clock()
+    assert threads == (1 if busy else 2)
+    assert clock.startswith("1 thread by its CPU time" if busy else "2 threads by the wall clock")
+
+    seen = []
+    monkeypatch.setattr(
+        tuning, "_measure", lambda ops, choice: seen.append(torch.get_num_threads()) or choice
+    )
+    choice = tuning.measure(None)
+    assert seen == [threads] and choice.clock == clock
+    assert torch.get_num_threads() == 2  # the engine's threads are back
+    assert f"timed on {clock}" in choice.lines()
+
+    torch.set_num_threads(threads)
+    waited = tuning._race({"waits": lambda: time.sleep(0.02)}, rounds=2)["waits"]
+    assert (waited < 5) if busy else (waited >= 20)  # ms: a wait is not CPU time
 
 
 @pytest.mark.parametrize("switch", ["torch", "native"])
@@ -210,3 +245,19 @@ def test_a_candidate_that_fails_here_loses():
     timings = tuning._race({NATIVE: lambda: None, TORCH: fails}, rounds=3)
     assert timings[TORCH] == float("inf") and timings[NATIVE] < float("inf")
     assert tuning._faster(timings) == NATIVE
+
+
+def test_tiles_take_larger_decode_batches_only_where_chosen_and_the_native_layout_is_used():
+    tiles = KernelChoice(decode_linear_native_rows=8, decode_linear_batches=tuning.TILES)
+    assert tiles.tiles_for_batches
+    assert (
+        "native for batches of up to 8 rows, AMX tiles on the same copy above" in tiles.lines()[3]
+    )
+    assert "tile_linear" not in tiles.hidden_operators()
+    for other in (
+        KernelChoice(decode_linear_native_rows=8),  # oneDNN above
+        KernelChoice(decode_linear_batches=tuning.TILES),  # the one-row kernel for every batch
+        KernelChoice.torch_only(),  # no packed copy of speedkv's layout at all
+    ):
+        assert not other.tiles_for_batches
+    assert "tile_linear" in KernelChoice.torch_only().hidden_operators()

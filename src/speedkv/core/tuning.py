@@ -9,16 +9,24 @@ candidates is timed on representative bfloat16 shapes:
 - `decode_attention`: speedkv's batch kernel or torch's kernels sequence by sequence,
 - `layer_ops`: speedkv's fused norms / rotary / SiLU or torch's separate operations,
 - `decode_linear`: speedkv's packed one-row kernel or oneDNN on the plain weight, at 1, 8 and
-  32 rows: batches up to the largest row count the native kernel won at use it. Where the
-  native kernel is not used at all, the prepacked copy is oneDNN's own layout.
+  32 rows: batches up to the largest row count the native kernel won at use it. Larger batches
+  go to oneDNN, or where the CPU has AMX and it wins at 32 rows, to speedkv's tile kernel on
+  the same packed copy. Where the native kernel is not used at all, the prepacked copy is
+  oneDNN's own layout.
 - `prefill_linear`: a prefill chunk's bfloat16 products as they are, or in float32 rounded
   once (where oneDNN runs bfloat16 without AMX, its float32 kernels can be faster).
 
 Candidates are timed in alternating rounds (the fastest round of each: on a shared CPU a round
-can only be slowed, and a busy one by whole time slices), and torch's kernel replaces a native
-one only when it is more than 10 % faster. The choice is stored beside the built kernels (in the
-directory the compiler's target names, one file per thread count and setting of the variables
-that change torch's kernels) and used by every later process. `SPEEDKV_KERNELS=native` uses
+can only be slowed), and torch's kernel replaces a native one only when it is more than 10 %
+faster. On a quiet machine the rounds run as the engine will: on its threads, by the wall
+clock. Where other processes keep the cores busy, a round on several threads loses whole time
+slices (about 12 ms) whenever one thread waits at a barrier for another that was descheduled,
+and that can fall on every round of one candidate: there the rounds run on one thread and count
+that thread's CPU time, which other processes do not inflate (every candidate splits its work
+over threads by rows, heads or blocks, so one thread ranks them as several do). The choice is
+stored beside the built kernels (in the directory the compiler's target names, one file per
+thread count and setting of the variables that change torch's kernels) and used by every later
+process. `SPEEDKV_KERNELS=native` uses
 every native kernel that builds, `torch` none, `auto` (the default) the measured choice.
 """
 
@@ -42,6 +50,7 @@ from speedkv.locks import exclusive
 from speedkv.log import log
 
 NATIVE, TORCH = "native", "torch"
+TILES = "tiles"  # decode batches above the native rows: the AMX tile kernel on the packed copy
 ALL_ROWS = 1 << 30
 ROWS = (1, 8, 32)  # decode batch sizes the linear layers are timed at
 # which native operators a kind of work uses (each kind's own source): a kind chosen for torch
@@ -61,8 +70,10 @@ class KernelChoice:
     # decode batches of up to this many rows use the prepacked weights, larger ones the plain
     # weights through oneDNN
     decode_linear_native_rows: int = ALL_ROWS
+    decode_linear_batches: str = TORCH  # larger batches: oneDNN on the plain weight, or TILES
     prefill_linear: str = BFLOAT16  # or FLOAT32: products upcast, rounded once
     timings: dict[str, dict[str, float]] = field(default_factory=dict)
+    clock: str = ""  # how the timings were taken (see `race_clock`)
 
     @classmethod
     def torch_only(cls) -> KernelChoice:
@@ -72,14 +83,24 @@ class KernelChoice:
     def hidden_operators(self) -> set[str]:
         """Native operators the engine should not use here."""
         torch_kinds = [kind for kind in KINDS if getattr(self, kind) == TORCH]
-        return {op for kind in torch_kinds for op in native.KERNELS[kind]}
+        return {op for kind in torch_kinds for op in operators_of(kind)}
+
+    @property
+    def tiles_for_batches(self) -> bool:
+        """Whether decode batches above the native rows run on the AMX tile kernel."""
+        return (
+            self.decode_linear == NATIVE
+            and 0 < self.decode_linear_native_rows < ALL_ROWS
+            and self.decode_linear_batches == TILES
+        )
 
     def lines(self) -> list[str]:
         rows = self.decode_linear_native_rows
         linear = (
             "oneDNN for every batch" if self.decode_linear == TORCH or rows == 0
             else "native for every batch" if rows >= ALL_ROWS
-            else f"native for batches of up to {rows} rows, oneDNN above"
+            else f"native for batches of up to {rows} rows, "
+            + ("AMX tiles on the same copy" if self.tiles_for_batches else "oneDNN") + " above"
         )  # fmt: skip
         if not fused.onednn_bf16():  # where oneDNN is named, bfloat16 layers cannot use it
             linear += " (bfloat16 weights on torch's kernels: this CPU's oneDNN takes none)"
@@ -93,7 +114,15 @@ class KernelChoice:
             f"layer small operations: {self.layer_ops}",
             f"decode linear layers: {linear}",
             f"prefill linear layers: {self.prefill_linear} products",
+            *([f"timed on {self.clock}"] if self.clock else []),
         ]
+
+
+def operators_of(kind: str) -> tuple[str, ...]:
+    """The native operators a kind of work uses (the tile kernel takes decode's larger batches
+    on the decode linear layers' packed copy)."""
+    extra = native.KERNELS["tile_linear"] if kind == "decode_linear" else ()
+    return native.KERNELS[kind] + extra
 
 
 def mode() -> str:
@@ -183,11 +212,32 @@ def tune() -> KernelChoice:
 
 def measure(ops) -> KernelChoice:
     """Time every candidate of every kind of work on this machine (about ten seconds)."""
-    log("timing speedkv's kernels against torch's on this machine (once)")
+    threads, clock = race_clock()
+    log(f"timing speedkv's kernels against torch's on this machine (once; {clock})")
+    saved_threads = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        return _measure(ops, KernelChoice(clock=clock))
+    finally:
+        torch.set_num_threads(saved_threads)
+
+
+def race_clock() -> tuple[int, str]:
+    """The threads the candidates are timed on, and how that is said: the engine's, by the
+    wall clock, on a quiet machine; one thread, by its CPU time, where the 1-minute load
+    average says other processes want more of the cores than the engine's threads leave."""
+    threads = torch.get_num_threads()
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+    load = os.getloadavg()[0] if hasattr(os, "getloadavg") else 0.0
+    if threads > 1 and load > max((cores or 1) - threads, 0) + 0.5:
+        return 1, f"1 thread by its CPU time (load {load:.1f} on {cores} cores)"
+    return threads, f"{threads} thread{'s' * (threads > 1)} by the wall clock"
+
+
+def _measure(ops, choice: KernelChoice) -> KernelChoice:
     torch.manual_seed(0)
     bf16 = torch.bfloat16
-    timings: dict[str, dict[str, float]] = {}
-    choice = KernelChoice(timings=timings)
+    timings = choice.timings
 
     if native.has_prefill_kernel(ops):  # 8 query / 2 KV heads of 64 over 1024 tokens
         q = torch.randn(8, 1024, 64, dtype=bf16)
@@ -246,6 +296,12 @@ def measure(ops) -> KernelChoice:
                 wins = rows
         choice.decode_linear_native_rows = wins if wins < ROWS[-1] else ALL_ROWS
         choice.decode_linear = NATIVE if wins else TORCH
+        if hasattr(ops, "tile_linear") and choice.decode_linear == NATIVE and wins < ROWS[-1]:
+            x = torch.randn(ROWS[-1], 2048, dtype=bf16)  # batches above: tiles on the same copy
+            pair = _race({TILES: lambda: ops.tile_linear(x, packed[0], None),
+                          TORCH: lambda: fused.apply_linear(x, plain)})  # fmt: skip
+            timings[f"decode_linear_{ROWS[-1]}_rows_on_tiles"] = pair
+            choice.decode_linear_batches = _faster(pair, kept=TILES, challenger=TORCH)
     else:
         choice.decode_linear = TORCH
 
@@ -284,6 +340,8 @@ def _race(candidates: dict[str, Callable[[], object]], rounds: int = 9) -> dict[
     here loses (infinite time): torch's bfloat16 attention raises on an AMX CPU whose ATen is
     kept to AVX2 (`ATEN_CPU_CAPABILITY=avx2`: "pack_vnni2 is only supported when avx512 is
     supported")."""
+    # one thread's CPU time where the race runs on one thread (see `race_clock`)
+    clock = time.thread_time if torch.get_num_threads() == 1 else time.perf_counter
     times: dict[str, list[float]] = {name: [] for name in candidates}
     failed = {}
     for name, run in candidates.items():
@@ -295,8 +353,8 @@ def _race(candidates: dict[str, Callable[[], object]], rounds: int = 9) -> dict[
     candidates = {name: run for name, run in candidates.items() if name not in failed}
     for _ in range(rounds):
         for name, run in candidates.items():
-            start = time.perf_counter()
+            start = clock()
             run()
-            times[name].append(time.perf_counter() - start)
+            times[name].append(clock() - start)
     measured = {name: min(spent) * 1e3 for name, spent in times.items() if spent}
     return measured | failed
