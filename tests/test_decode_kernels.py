@@ -558,3 +558,73 @@ def test_native_int8_linear_equals_reference(linear_ops, rows, bias):
     assert (got.double() - expected).abs().max() <= max(1.01 * torch_error, 1e-2)
     float_layer = Int8Linear(nn.Linear(576, 960))
     assert not fused.can_prepack(float_layer.tensors(), linear_ops)  # float32 scale: no
+
+
+# -- the AMX tile kernel for many rows on the packed copy (core/csrc/tile_linear.cpp) ----------
+@pytest.fixture(scope="module")
+def tile_ops():
+    ops = native.native_ops()
+    if ops is None or not hasattr(ops, "tile_linear"):
+        pytest.skip("no tile kernel here (no compiler, or no AMX)")
+    return ops
+
+
+@pytest.mark.parametrize("rows", [1, 17, 32, 70])  # part of a tile, one step, several and a tail
+@pytest.mark.parametrize(("out", "inputs"), [(960, 576), (576, 1536), (32, 32), (320, 64)])
+@pytest.mark.parametrize("bias", [False, True])
+def test_tile_linear_equals_reference(tile_ops, rows, out, inputs, bias):
+    """Against float64: within the output's own rounding, as oneDNN's bfloat16 product is."""
+    g = torch.Generator().manual_seed(out + inputs + rows)
+    weight = torch.randn(out, inputs, generator=g).bfloat16()
+    b = torch.randn(out, generator=g).bfloat16() if bias else None
+    x = torch.randn(rows, inputs, generator=g).bfloat16()
+    packed = fused.prepacked((weight, b), tile_ops)
+    got = tile_ops.tile_linear(x, packed[0], packed[1])
+    assert got.shape == (rows, out) and got.dtype == torch.bfloat16
+    expected = x.double() @ weight.double().T + (b.double() if bias else 0)
+    torch_error = (F.linear(x, weight, b).double() - expected).abs().max()
+    assert (got.double() - expected).abs().max() <= max(1.01 * torch_error, 1e-2)
+
+
+def test_tile_linear_refuses_what_it_cannot_run(tile_ops):
+    packed = tile_ops.pack_linear_weight(torch.randn(32, 64).bfloat16())
+    x = torch.randn(4, 64).bfloat16()
+    odd = tile_ops.pack_linear_weight(torch.randn(32, 48).bfloat16())
+    with pytest.raises(RuntimeError, match="multiples of 32"):
+        tile_ops.tile_linear(torch.randn(4, 48).bfloat16(), odd, None)
+    with pytest.raises(RuntimeError, match="x has 32 inputs, the weight 64"):
+        tile_ops.tile_linear(torch.randn(4, 32).bfloat16(), packed, None)
+    with pytest.raises(RuntimeError, match="bias must be n contiguous float32"):
+        tile_ops.tile_linear(x, packed, torch.randn(31))
+    with pytest.raises(RuntimeError, match="packed by pack_linear_weight"):
+        tile_ops.tile_linear(x, torch.randn(32, 64).bfloat16(), None)
+    with pytest.raises(RuntimeError, match="contiguous bfloat16"):
+        tile_ops.tile_linear(x.float(), packed, None)
+    # what it does not take (int8 rows, inputs not in whole tiles) stays on the packed kernel
+    assert not fused.tiles_take(fused.prepacked((torch.randn(32, 48).bfloat16(), None), tile_ops))
+    rows = torch.randint(-127, 128, (32, 64), dtype=torch.int8)
+    assert not fused.tiles_take((tile_ops.pack_linear_weight(rows), torch.ones(32), None))
+
+
+def test_engine_batches_on_tiles_decode_the_same_tokens(tile_ops, monkeypatch):
+    """A decode batch above the one-row kernel's rows runs every layer on the tile kernel (the
+    packed copy) where the choice says so: the same tokens as on the plain weights."""
+    from speedkv.core import engine as engine_module
+    from speedkv.core.tuning import TILES, KernelChoice
+
+    monkeypatch.setattr(fused, "_tiles_above", None)  # restored after: the engine sets it
+    model = tiny_model("llama")
+    model.hf_model.to(torch.bfloat16)
+    specs = ["full", "speed:lcut=3,anchors=bos,deep=1", "speed:lcut=4,anchors=none,deep=3"]
+    prompts = [random_prompt(n, seed=n) for n in (9, 23, 40)]
+    plain = batch_tokens(Engine(model), prompts, specs, 6)
+
+    choice = KernelChoice(decode_linear_native_rows=1, decode_linear_batches=TILES)
+    monkeypatch.setattr(engine_module, "kernel_choice", lambda: choice)
+    on_tiles = []
+    real = fused._on_tiles
+    monkeypatch.setattr(fused, "_on_tiles", lambda *a: on_tiles.append(real(*a)) or on_tiles[-1])
+    engine = Engine(model, prepack=True)
+    assert model.backbone.tile_batches and fused._tiles_above == 1
+    assert batch_tokens(engine, prompts, specs, 6) == plain
+    assert any(on_tiles)  # the batch's layers went to the tile kernel

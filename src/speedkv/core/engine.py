@@ -27,7 +27,7 @@ from speedkv.core.sampling import Sampler, SamplingParams
 from speedkv.core.tuning import FLOAT32, engine_kernels, kernel_choice
 from speedkv.errors import UserError
 from speedkv.hf import loading
-from speedkv.hf.fused import prefer_float32_products
+from speedkv.hf.fused import prefer_float32_products, use_tiles_above
 from speedkv.hf.loading import LoadedModel, wrap_model
 from speedkv.hf.text import Detokenizer, encode_messages, encode_prompt, find_stop
 
@@ -164,6 +164,9 @@ class Engine:
         if self.device.type == "cpu":  # built now if need be, not in the first request's decode
             model.backbone.native_ops = engine_kernels()
             model.backbone.native_linear_rows = kernel_choice().decode_linear_native_rows
+            tiles = kernel_choice().tiles_for_batches
+            model.backbone.tile_batches = tiles
+            use_tiles_above(kernel_choice().decode_linear_native_rows if tiles else None)
             prefer_float32_products(kernel_choice().prefill_linear == FLOAT32)
 
     @classmethod

@@ -48,8 +48,9 @@ KERNELS = {
     "decode_linear": ("pack_linear_weight", "packed_linear"),
     "layer_ops": ("rms_norm", "add_rms_norm", "silu_mul", "rotary_split"),
     "prefill_attention": ("causal_attention", "prefill_attention_unit"),
+    "tile_linear": ("tile_linear",),
 }
-HEADERS = ("bf16_pairs.h",)
+HEADERS = ("bf16_pairs.h", "amx_tiles.h")
 SWITCH = "SPEEDKV_KERNELS"  # "torch" turns the native kernels off
 LOCK_TIMEOUT = "SPEEDKV_KERNEL_LOCK_TIMEOUT"
 ARCH = "SPEEDKV_KERNEL_ARCH"  # the target flags, "-march=native" unless set (tests set others)

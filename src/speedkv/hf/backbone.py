@@ -28,6 +28,7 @@ from speedkv.hf.fused import (
     can_prepack,
     linear_tensors,
     prepacked,
+    tiles_take,
 )
 from speedkv.hf.int8 import Int8Linear
 from speedkv.hf.layer_work import LayerDims, LayerTensors, apply_rope
@@ -174,6 +175,9 @@ class Backbone:
         # decode batches of more rows than this run the plain weights (oneDNN) instead of the
         # prepacked copy: the engine sets it from the measured kernel choice
         self.native_linear_rows = 1 << 30
+        # larger decode batches: on the packed copy too (the AMX tile kernel), or the plain one
+        self.tile_batches = False
+        self._tiles_take_all = False  # every packed copy is one the tile kernel takes
 
     # -- basic facts --------------------------------------------------------------------------
     @property
@@ -255,7 +259,8 @@ class Backbone:
 
     def logits(self, h: torch.Tensor) -> torch.Tensor:
         """LM head over (already normed) hidden states, in float32 for sampling."""
-        if self._packed_head is not None and h.shape[0] <= self.native_linear_rows:
+        head = self._packed_head
+        if head is not None and (h.shape[0] <= self.native_linear_rows or self._tiles_for(head)):
             return apply_linear(h, self._packed_head).float()
         return self._lm_head(h).float()
 
@@ -333,10 +338,17 @@ class Backbone:
         return layer_work.after_attention(h, o, weights, self._dims, self.native_ops)
 
     def _layer_weights(self, layer: int, prefill: bool, rows: int = 1) -> LayerTensors | None:
-        if prefill or rows > self.native_linear_rows:
+        if prefill or not self._on_packed(rows):
             self.decode_weights()  # gathers both sets
             return self._plain_weights[layer]
         return self.decode_weights()[layer]
+
+    def _on_packed(self, rows: int) -> bool:
+        """Whether a decode batch of `rows` uses the packed copies (see `tile_batches`)."""
+        return rows <= self.native_linear_rows or (self.tile_batches and self._tiles_take_all)
+
+    def _tiles_for(self, tensors: tuple[torch.Tensor | None, ...]) -> bool:
+        return self.tile_batches and tiles_take(tensors)
 
     def decode_weights(self) -> list[LayerTensors | None]:
         """Every layer's weights as plain tensors; None for a layer where some piece must run
@@ -366,6 +378,8 @@ class Backbone:
         ):
             layers = [prepack_layer(w, ops) for w in layers]  # type: ignore[arg-type]
             self._packed_head = prepacked(head, ops)  # type: ignore[arg-type]
+        packed = [t for w in layers if w is not None for t in (w.qkv, w.o, w.gate_up, w.down)]
+        self._tiles_take_all = bool(packed) and all(tiles_take(t) for t in packed)
         self._decode_weights = layers
         self._weights_key = self._parameter_ids()  # fusing replaced the parts' parameters
 

@@ -61,6 +61,9 @@ def linear_tensors(module: nn.Module) -> tuple[torch.Tensor | None, ...] | None:
 def apply_linear(x: torch.Tensor, tensors: tuple[torch.Tensor | None, ...]) -> torch.Tensor:
     """The linear layer `tensors` describe (see `linear_tensors`, `prepacked`) applied to x."""
     weight, *rest = tensors
+    if weight.dim() == 4 and _on_tiles(x, weight, len(rest)):  # many rows, AMX
+        rows = x.reshape(-1, x.shape[-1]).contiguous()
+        return torch.ops.speedkv.tile_linear(rows, weight, rest[-1]).view(*x.shape[:-1], -1)
     if weight.dim() == 4:  # packed by speedkv's native kernel (see `prepacked`)
         scale = rest[0] if len(rest) == 2 else None
         return torch.ops.speedkv.packed_linear(x.contiguous(), weight, scale, rest[-1])
@@ -84,6 +87,39 @@ UPCAST_FROM = 16
 # say); decode batches, which would convert the weight for a few rows, stay below it.
 MEASURED_UPCAST_FROM = 128
 _float32_products = False  # set by `prefer_float32_products`
+
+
+# Rows above which a product on speedkv's packed bfloat16 copy runs on the AMX tile kernel
+# (core/csrc/tile_linear.cpp) rather than the one-row kernel; None: never (set by the engine
+# from the kernel choice measured on this machine).
+_tiles_above: int | None = None
+
+
+def use_tiles_above(rows: int | None) -> None:
+    """Products on the packed copy with more than `rows` rows go to the AMX tile kernel."""
+    global _tiles_above
+    _tiles_above = rows
+
+
+def _on_tiles(x: torch.Tensor, packed: torch.Tensor, extras: int) -> bool:
+    return (
+        _tiles_above is not None
+        and x.numel() // max(1, x.shape[-1]) > _tiles_above
+        and tiles_take((packed, *[None] * extras))
+    )
+
+
+def tiles_take(tensors: tuple[torch.Tensor | None, ...]) -> bool:
+    """Whether the tile kernel takes a packed layer (see `prepacked`): a bfloat16 weight (not
+    int8 rows, which come with a scale), inputs and outputs in whole tiles of 32."""
+    weight = tensors[0]
+    return (
+        weight.dim() == 4
+        and weight.dtype == torch.bfloat16
+        and len(tensors) == 2
+        and weight.shape[0] % 2 == 0
+        and (2 * weight.shape[1]) % 32 == 0
+    )
 
 
 def prefer_float32_products(enabled: bool) -> None:
