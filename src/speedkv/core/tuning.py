@@ -8,8 +8,8 @@ candidates is timed on representative bfloat16 shapes:
 - `prefill_attention`: speedkv's flash-style kernel or torch's scaled_dot_product_attention,
 - `decode_attention`: speedkv's batch kernel or torch's kernels sequence by sequence,
 - `layer_ops`: speedkv's fused norms / rotary / SiLU or torch's separate operations,
-- `decode_linear`: speedkv's packed one-row kernel or oneDNN on the plain weight, at 1, 8 and
-  32 rows: batches up to the largest row count the native kernel won at use it. Larger batches
+- `decode_linear`: speedkv's packed one-row kernel or oneDNN on the plain weight, at 1, 4, 8
+  and 32 rows: batches up to the largest row count the native kernel won at use it. Larger batches
   go to oneDNN, or where the CPU has AMX and it wins at 32 rows, to speedkv's tile kernel on
   the same packed copy. Where the native kernel is not used at all, the prepacked copy is
   oneDNN's own layout.
@@ -52,7 +52,8 @@ from speedkv.log import log
 NATIVE, TORCH = "native", "torch"
 TILES = "tiles"  # decode batches above the native rows: the AMX tile kernel on the packed copy
 ALL_ROWS = 1 << 30
-ROWS = (1, 8, 32)  # decode batch sizes the linear layers are timed at
+ROWS = (1, 4, 8, 32)  # decode batch sizes the linear layers are timed at
+TUNER_VERSION = 2  # raised when what is measured changes, so stored choices are measured again
 # which native operators a kind of work uses (each kind's own source): a kind chosen for torch
 # hides them
 KINDS = ("prefill_attention", "decode_attention", "layer_ops", "decode_linear")
@@ -188,11 +189,12 @@ TORCH_KERNEL_SETTINGS = ("ONEDNN_MAX_CPU_ISA", "ATEN_CPU_CAPABILITY")
 def choice_path() -> Path:
     """Where this machine's choice is stored: beside its kernels, one file per thread count
     (as set, by OMP_NUM_THREADS or --threads), setting of the variables that change torch's
-    kernels and version of the kernels' sources (a new version is measured again)."""
+    kernels, version of the kernels' sources and of this tuner (a new version is measured
+    again)."""
     settings = ",".join(
         [f"threads={torch.get_num_threads()}",
          *(f"{k}={os.environ.get(k, '')}" for k in TORCH_KERNEL_SETTINGS),
-         f"sources={native.sources_key()}"]
+         f"sources={native.sources_key()}", f"tuner={TUNER_VERSION}"]
     )  # fmt: skip
     digest = hashlib.sha256(settings.encode()).hexdigest()[:8]
     return native.kernels_root() / f"choice-{digest}.json"
