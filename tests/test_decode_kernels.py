@@ -621,6 +621,7 @@ def test_engine_batches_on_tiles_decode_the_same_tokens(tile_ops, monkeypatch):
 
     choice = KernelChoice(decode_linear_native_rows=1, decode_linear_batches=TILES)
     monkeypatch.setattr(engine_module, "kernel_choice", lambda: choice)
+    monkeypatch.setattr(engine_module, "engine_kernels", lambda: tile_ops)  # whatever is stored
     on_tiles = []
     real = fused._on_tiles
     monkeypatch.setattr(fused, "_on_tiles", lambda *a: on_tiles.append(real(*a)) or on_tiles[-1])
@@ -628,3 +629,24 @@ def test_engine_batches_on_tiles_decode_the_same_tokens(tile_ops, monkeypatch):
     assert model.backbone.tile_batches and fused._tiles_above == 1
     assert batch_tokens(engine, prompts, specs, 6) == plain
     assert any(on_tiles)  # the batch's layers went to the tile kernel
+
+
+def test_a_stored_tile_choice_without_the_tile_kernel_keeps_the_plain_weights(
+    tile_ops, monkeypatch
+):
+    """A choice stored when the tile kernel built outlives a library since lost: the engine
+    then decodes batches on the plain weights, never calling a kernel it does not have."""
+    from speedkv.core import engine as engine_module
+    from speedkv.core.tuning import TILES, KernelChoice
+
+    monkeypatch.setattr(fused, "_tiles_above", None)
+    choice = KernelChoice(decode_linear_native_rows=1, decode_linear_batches=TILES)
+    without = native.NativeKernels(
+        {name: getattr(tile_ops, name) for name in tile_ops.names if name != "tile_linear"}
+    )
+    monkeypatch.setattr(engine_module, "kernel_choice", lambda: choice)
+    monkeypatch.setattr(engine_module, "engine_kernels", lambda: without)
+    model = tiny_model("llama")
+    model.hf_model.to(torch.bfloat16)
+    Engine(model, prepack=True)
+    assert not model.backbone.tile_batches and fused._tiles_above is None

@@ -164,7 +164,8 @@ class Engine:
         if self.device.type == "cpu":  # built now if need be, not in the first request's decode
             model.backbone.native_ops = engine_kernels()
             model.backbone.native_linear_rows = kernel_choice().decode_linear_native_rows
-            tiles = kernel_choice().tiles_for_batches
+            # a stored choice outlives a kernel whose library was since lost: use what loaded
+            tiles = kernel_choice().tiles_for_batches and hasattr(engine_kernels(), "tile_linear")
             model.backbone.tile_batches = tiles
             use_tiles_above(kernel_choice().decode_linear_native_rows if tiles else None)
             prefer_float32_products(kernel_choice().prefill_linear == FLOAT32)
