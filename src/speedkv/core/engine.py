@@ -31,6 +31,12 @@ from speedkv.hf.fused import prefer_float32_products, use_tiles_above
 from speedkv.hf.loading import LoadedModel, wrap_model
 from speedkv.hf.text import Detokenizer, encode_messages, encode_prompt, find_stop
 
+# Prefill rows per chunk. On a CPU the weight products of longer chunks run faster (oneDNN
+# blocks them better): SmolLM2 in bfloat16 prefilled 2048 and 8128 tokens in 0.94-0.96x the
+# time with chunks of 2048 as with 1024, turn about in one process, on an Intel Xeon with AMX.
+# Elsewhere a chunk's attention mask grows with it, so the smaller chunk stays.
+CPU_CHUNK, CHUNK = 2048, 1024
+
 
 @dataclass
 class Request:
@@ -141,7 +147,7 @@ class Engine:
     def __init__(
         self,
         model: LoadedModel,
-        chunk_size: int = 1024,
+        chunk_size: int | None = None,
         depth: int | None = None,
         prefix_cache: PrefixCache | None = None,
         prepack: bool | None = None,
@@ -158,7 +164,7 @@ class Engine:
         # speculator made of the model itself)
         self.depth = depth or model.shape.num_layers
         self.tokenizer = model.tokenizer
-        self.chunk_size = chunk_size
+        self.chunk_size = chunk_size or (CPU_CHUNK if self.device.type == "cpu" else CHUNK)
         self.eos_ids = model.eos_token_ids()
         self._companions: dict[str, Engine] = {}
         if self.device.type == "cpu":  # built now if need be, not in the first request's decode
