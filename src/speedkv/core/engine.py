@@ -32,8 +32,9 @@ from speedkv.hf.loading import LoadedModel, wrap_model
 from speedkv.hf.text import Detokenizer, encode_messages, encode_prompt, find_stop
 
 # Prefill rows per chunk. On a CPU the weight products of longer chunks run faster (oneDNN
-# blocks them better): SmolLM2 in bfloat16 prefilled 2048 and 8128 tokens in 0.94-0.96x the
-# time with chunks of 2048 as with 1024, turn about in one process, on an Intel Xeon with AMX.
+# blocks them better): SmolLM2 in bfloat16 prefilled 2048 and 8128 tokens in 0.88-1.03x the
+# time (three of four cells under 0.93x) with chunks of 2048 as with 1024, turn about in one
+# process, on an Intel Xeon with AMX (benchmarks/prefill_chunks.py).
 # Elsewhere a chunk's attention mask grows with it, so the smaller chunk stays.
 CPU_CHUNK, CHUNK = 2048, 1024
 
