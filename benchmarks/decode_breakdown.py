@@ -7,7 +7,8 @@ prompt, then times decode steps with nothing else running (the step's wall time,
 profiles as many again with torch.profiler, which splits the time of the ops: products with
 the weights (mm, oneDNN's linear, the int8 kernel, speedkv's linear), attention (everything
 inside the engine's decode-attention function, which the profiled steps wrap in a named
-range), and everything else (norms, rotary, residual adds, cache writes, Python) as the step's
+range, or the native attention kernel where a whole layer runs as one native call), and
+everything else (norms, rotary, residual adds, cache writes, Python) as the step's
 wall time minus those two. Prints a markdown table. Works on any checkout of speedkv on the
 path, so the same command measures an older engine (the prepacked mode is skipped where the
 engine has none).
@@ -32,7 +33,11 @@ WEIGHT_OPS = {
     "aten::_weight_int8pack_mm",
     "mkldnn::_linear_pointwise",
     "speedkv::packed_linear",  # the native decode linear kernel (core/csrc/decode_linear.cpp)
+    "speedkv::tile_linear",  # the AMX kernel for decode batches (core/csrc/tile_linear.cpp)
 }
+# the native attention kernel as a whole decode layer calls it (core/csrc/decode_layer.cpp),
+# with no Python function around it to name
+NATIVE_ATTENTION = "speedkv::decode_attention"
 ATTENTION_RANGE = "decode attention"
 # what the engine calls for a step's attention: this checkout's name, then older checkouts'
 ATTENTION_FUNCTIONS = ("batch_decode_attention", "decode_attention")
@@ -94,7 +99,8 @@ def measure(engine: Engine, ids: list[int], method: str, steps: int) -> dict:
             step()
     matmul = attention = 0.0
     for event in prof.events():
-        if event.name == ATTENTION_RANGE:
+        native_attention = event.name == NATIVE_ATTENTION and not inside_attention(event)
+        if event.name == ATTENTION_RANGE or native_attention:
             attention += event.cpu_time_total
         elif event.name in WEIGHT_OPS and not inside_attention(event):
             matmul += event.self_cpu_time_total

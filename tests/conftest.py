@@ -96,12 +96,16 @@ def device(request) -> torch.device:
     return torch.device(request.config.getoption("--device"))
 
 
-def tiny_model(family: str, seed: int = 0, device: torch.device | str = "cpu") -> LoadedModel:
+def tiny_model(
+    family: str, seed: int = 0, device: torch.device | str = "cpu", **config
+) -> LoadedModel:
+    """A tiny random model; `config` overrides TINY's entries."""
     torch.manual_seed(seed)
+    settings = {**TINY, **config}
     if family == "llama":
-        hf = LlamaForCausalLM(LlamaConfig(**TINY))
+        hf = LlamaForCausalLM(LlamaConfig(**settings))
     else:
-        hf = Qwen2ForCausalLM(Qwen2Config(**TINY))  # q/k/v projections with bias
+        hf = Qwen2ForCausalLM(Qwen2Config(**settings))  # q/k/v projections with bias
     hf.eval().requires_grad_(False)
     # Random init is too flat to discriminate tokens; scale it so greedy choices are decisive.
     with torch.no_grad():

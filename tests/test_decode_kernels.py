@@ -14,7 +14,7 @@ from speedkv.core import attention, native
 from speedkv.core.engine import Engine, Request
 from speedkv.core.registry import make_policy
 from speedkv.core.sampling import SamplingParams
-from speedkv.hf import fused
+from speedkv.hf import fused, layer_work
 from speedkv.hf.backbone import rms_norm
 from speedkv.hf.fused import FusedProjection
 from speedkv.hf.int8 import Int8Linear
@@ -625,6 +625,10 @@ def test_engine_batches_on_tiles_decode_the_same_tokens(tile_ops, monkeypatch):
     on_tiles = []
     real = fused._on_tiles
     monkeypatch.setattr(fused, "_on_tiles", lambda *a: on_tiles.append(real(*a)) or on_tiles[-1])
+    real_layer = layer_work.decode_layer  # a whole layer in one call: its products' kernel
+    monkeypatch.setattr(
+        layer_work, "decode_layer", lambda *a: on_tiles.append(a[-1]) or real_layer(*a)
+    )
     engine = Engine(model, prepack=True)
     assert model.backbone.tile_batches and fused._tiles_above == 1
     assert batch_tokens(engine, prompts, specs, 6) == plain
@@ -650,3 +654,156 @@ def test_a_stored_tile_choice_without_the_tile_kernel_keeps_the_plain_weights(
     model.hf_model.to(torch.bfloat16)
     Engine(model, prepack=True)
     assert not model.backbone.tile_batches and fused._tiles_above is None
+
+
+# -- a decode step's whole layer in one native call (core/csrc/decode_layer.cpp) ---------------
+# shapes every native decode kernel takes: head_dim 32 (two vectors of 16 lanes), products and
+# the vocabulary in whole tiles of 32, an MLP width of whole vectors for the one-pass SiLU
+NATIVE_SHAPED = dict(hidden_size=128, intermediate_size=256, vocab_size=128)
+ONE_CALL_SPECS = [
+    "full",
+    "speed:lcut=3,anchors=bos,deep=1",
+    "speed:lcut=4,anchors=sink:2,deep=2,selfonly=true",  # deep layers keep no decode K/V
+    "fastkv:tsp_layer=2,tsp_rate=0.5,retain=0.5,window=4",  # a cut prompt cache: still appends
+]
+
+
+@pytest.fixture(scope="module")
+def layer_ops():
+    ops = native.native_ops()
+    if ops is None or not hasattr(ops, "decode_layer") or not hasattr(ops, "packed_linear"):
+        pytest.skip("no native decode layer here (no compiler, or no AVX512-BF16)")
+    return ops
+
+
+def logits_per_step(engine, prompts, specs, steps, one_call: bool) -> tuple[list, list]:
+    """Every decode step's logits for one batch of every prompt under every method, with the
+    layers run in one native call each where the engine can (`one_call`) or in parts; and
+    whether each step ran them in one call."""
+    from speedkv.core import engine as engine_module
+
+    logits, used = [], []
+    real_step, real_choice = Engine.decode_step, Engine._layers_in_one_call
+
+    def choose(self, *args):
+        used.append(one_call and real_choice(self, *args))
+        return used[-1]
+
+    def step(self, *args):
+        logits.append(real_step(self, *args))
+        return logits[-1]
+
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(engine_module.Engine, "_layers_in_one_call", choose)
+        patch.setattr(engine_module.Engine, "decode_step", step)
+        batch_tokens(engine, prompts, specs, steps)
+    return logits, used
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen2"])  # qwen2: q/k/v products with a bias
+@pytest.mark.parametrize("weights", ["bfloat16", "int8"])
+@pytest.mark.parametrize("batches", ["one-row kernel", "tile kernel"])
+def test_a_decode_layer_in_one_call_is_the_layer_in_parts_bit_for_bit(
+    layer_ops, monkeypatch, family, weights, batches
+):
+    """A batch of methods and lengths: every step's logits equal the layer-by-parts path's,
+    bit for bit, and every step ran its layers in one call."""
+    from speedkv.core import engine as engine_module
+    from speedkv.core.tuning import TILES, KernelChoice
+    from speedkv.hf.loading import quantize_int8
+
+    if batches == "tile kernel" and (weights == "int8" or not hasattr(layer_ops, "tile_linear")):
+        pytest.skip("the tile kernel takes bfloat16 weights, on CPUs with AMX")
+    choice = KernelChoice()  # every kind native, every batch on the one-row kernel
+    if batches == "tile kernel":
+        choice = KernelChoice(decode_linear_native_rows=1, decode_linear_batches=TILES)
+    monkeypatch.setattr(fused, "_tiles_above", None)  # restored after: the engine sets it
+    monkeypatch.setattr(engine_module, "kernel_choice", lambda: choice)
+    monkeypatch.setattr(engine_module, "engine_kernels", lambda: layer_ops)
+    monkeypatch.setattr(attention, "engine_kernels", lambda: layer_ops)
+    model = tiny_model(family, **NATIVE_SHAPED)
+    model.hf_model.to(torch.bfloat16)
+    if weights == "int8":
+        model = quantize_int8(model)
+    engine = Engine(model, prepack=True)
+    prompts = [random_prompt(n, seed=n) for n in (9, 23, 40)]
+
+    in_parts, used = logits_per_step(engine, prompts, ONE_CALL_SPECS, 5, one_call=False)
+    assert not any(used)
+    in_one_call, used = logits_per_step(engine, prompts, ONE_CALL_SPECS, 5, one_call=True)
+    assert used and all(used)
+    assert len(in_one_call) == len(in_parts) == 4  # the first token comes from the prefill
+    for a, b in zip(in_one_call, in_parts):
+        assert torch.equal(a, b)
+
+
+@pytest.mark.parametrize(
+    "spec",
+    [
+        "h2o:heavy=0.3,recent=0.3",  # evicts after each step
+        "swiftkv:k=3,acrosskv=1",  # K/V of upper layers from layer 3's input
+        "snapkv:retain=0.5,window=4,gqa=false",  # a cache per query head
+    ],
+)
+def test_methods_that_do_more_than_append_decode_in_parts(layer_ops, monkeypatch, spec):
+    """A batch with one sequence whose decode does more than append its token to each layer's
+    own cache runs every layer in parts, with the tokens of each sequence decoded alone."""
+    from speedkv.core import engine as engine_module
+    from speedkv.core.tuning import KernelChoice
+
+    monkeypatch.setattr(fused, "_tiles_above", None)
+    monkeypatch.setattr(engine_module, "kernel_choice", lambda: KernelChoice())
+    monkeypatch.setattr(engine_module, "engine_kernels", lambda: layer_ops)
+    monkeypatch.setattr(attention, "engine_kernels", lambda: layer_ops)
+    model = tiny_model("llama", **NATIVE_SHAPED)
+    model.hf_model.to(torch.bfloat16)
+    engine = Engine(model, prepack=True)
+    prompts = [random_prompt(30, seed=3)]
+    _, used = logits_per_step(engine, prompts, ["full", spec], 4, one_call=True)
+    assert used and not any(used)
+    _, used = logits_per_step(engine, prompts, ["full"], 4, one_call=True)
+    assert all(used)  # alone, full attention does run in one call
+    together = batch_tokens(engine, prompts, ["full", spec], 6)
+    assert together == [batch_tokens(engine, prompts, [s], 6)[0] for s in ("full", spec)]
+
+
+def test_no_decode_layer_in_one_call_without_every_native_piece(layer_ops, monkeypatch):
+    """Under torch's kernels for any kind of work the layer calls, or on float32 weights (the
+    exact reference, on oneDNN's layout), decode runs its layers in parts."""
+    from speedkv.core import engine as engine_module
+    from speedkv.core import tuning
+    from speedkv.core.tuning import TORCH, KernelChoice
+
+    monkeypatch.setattr(fused, "_tiles_above", None)
+    model = tiny_model("llama", **NATIVE_SHAPED)
+    model.hf_model.to(torch.bfloat16)
+    for kind in ("decode_attention", "layer_ops", "decode_linear"):
+        choice = KernelChoice(**{kind: TORCH})
+        monkeypatch.setattr(tuning, "kernel_choice", lambda choice=choice: choice)
+        kept = native.NativeKernels(
+            {n: getattr(layer_ops, n) for n in layer_ops.names
+             if n not in choice.hidden_operators()}
+        )  # fmt: skip
+        monkeypatch.setattr(engine_module, "kernel_choice", lambda choice=choice: choice)
+        monkeypatch.setattr(engine_module, "engine_kernels", lambda kept=kept: kept)
+        engine = Engine(model, prepack=True)
+        engine.backbone.check_weights()
+        assert "decode_layer" not in kept.names
+        assert not engine.backbone.layers_in_one_call(1), kind
+    float_model = tiny_model("llama", **NATIVE_SHAPED)
+    monkeypatch.setattr(engine_module, "kernel_choice", lambda: KernelChoice())
+    monkeypatch.setattr(engine_module, "engine_kernels", lambda: layer_ops)
+    engine = Engine(float_model, prepack=True)
+    engine.backbone.check_weights()
+    assert not engine.backbone.layers_in_one_call(1)
+
+
+def test_silu_mul_equals_torchs_on_every_bfloat16_value(small_ops):
+    """Every finite bfloat16 gate value, against torch's SiLU and product: bit for bit (the
+    one-pass kernel uses torch's own vectorized exp and rounds where torch rounds)."""
+    every = torch.arange(-(2**15), 2**15, dtype=torch.int32).to(torch.int16).view(torch.bfloat16)
+    gate = every[torch.isfinite(every.float())]
+    gate = gate[: gate.numel() // 256 * 256].view(-1, 256)
+    up = torch.randn(gate.shape, generator=torch.Generator().manual_seed(0)).bfloat16()
+    got = small_ops.silu_mul(torch.cat([gate, up], dim=-1))
+    assert torch.equal(got.view(torch.int16), (F.silu(gate) * up).view(torch.int16))

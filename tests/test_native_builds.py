@@ -78,19 +78,22 @@ for name in sys.argv[3:]:
 
 
 @needs_compiler
-def test_a_kernel_that_does_not_compile_leaves_the_others(tmp_path):
+def test_a_kernel_that_does_not_compile_or_load_leaves_the_others(tmp_path):
     """Each start in a process of its own: a library registers its operators once per
     process."""
     sources = tmp_path / "csrc"
     shutil.copytree(native.CSRC, sources)
     (sources / "decode_linear.cpp").write_text("this is not C++\n")
+    # compiles and links, but names a symbol no library defines: loading it fails
+    (sources / "tile_linear.cpp").write_text("int nowhere();\nint call() { return nowhere(); }\n")
     command = [sys.executable, "-c", LOAD_EACH, str(tmp_path / "built"), str(sources),
-               "decode_linear", "layer_ops"]  # fmt: skip
+               "decode_linear", "tile_linear", "layer_ops"]  # fmt: skip
     first = subprocess.run(command, capture_output=True, text=True, timeout=600).stdout
     assert "decode_linear unavailable: " in first and "layer_ops loaded" in first, first
-    # recorded: the next process reads the failure instead of compiling again
+    assert "tile_linear unavailable: its library does not load" in first, first
+    # recorded: the next process reads the failures instead of compiling or loading again
     again = subprocess.run(command, capture_output=True, text=True, timeout=600).stdout
-    assert "recorded in" in again and "layer_ops loaded" in again, again
+    assert again.count("recorded in") == 2 and "layer_ops loaded" in again, again
 
 
 def test_the_build_key_is_what_the_compiler_targets(monkeypatch):

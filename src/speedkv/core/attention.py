@@ -85,23 +85,28 @@ def batch_decode_attention(
 
 def _native_fits(q: torch.Tensor, keys: list[torch.Tensor], values: list[torch.Tensor],
                  ops) -> bool:  # fmt: skip
-    """Whether the native kernel takes this batch: it was built here, one KV-head count for
-    all, a head size its register tiles cover (2 to 16 vectors of this CPU's lanes), values
-    laid out as their keys, cache rows contiguous. Anything else goes to torch's kernels."""
+    """Whether the native kernel takes this batch: one KV-head count for all, values laid out
+    as their keys, cache rows contiguous, and queries it takes (`native_decode_takes`).
+    Anything else goes to torch's kernels."""
+    heads = keys[0].shape[0]
+    return native_decode_takes(ops, q.dtype, q.shape[-1]) and all(
+        k.shape[0] == heads and k.stride(-1) == 1 and k.dtype == q.dtype
+        and v.shape == k.shape and v.stride() == k.stride() and v.dtype == q.dtype
+        for k, v in zip(keys, values)
+    )  # fmt: skip
+
+
+def native_decode_takes(ops, dtype: torch.dtype, head_dim: int) -> bool:
+    """Whether `ops` has the native decode kernel (it was built and chosen here) and it takes
+    queries of this dtype and head size: 2 to 16 vectors of this CPU's lanes."""
     if ops is None or not hasattr(ops, "decode_attention"):
         return False
-    heads, dim = keys[0].shape[0], q.shape[-1]
     lanes = _lanes(ops)
     return (
-        dim % lanes == 0
-        and dim // lanes in (2, 4, 8, 16)
-        and q.dtype in (torch.float32, torch.bfloat16, torch.float16)
-        and all(
-            k.shape[0] == heads and k.stride(-1) == 1 and k.dtype == q.dtype
-            and v.shape == k.shape and v.stride() == k.stride() and v.dtype == q.dtype
-            for k, v in zip(keys, values)
-        )
-    )  # fmt: skip
+        head_dim % lanes == 0
+        and head_dim // lanes in (2, 4, 8, 16)
+        and dtype in (torch.float32, torch.bfloat16, torch.float16)
+    )
 
 
 @functools.cache

@@ -55,14 +55,18 @@ class LayerKV:
 
         The caller attends over `length + 1` entries, then calls `commit()` if the token stays.
         """
-        if self.length == self.capacity:
-            self._grow()
+        self.make_room()
         if k.shape[0] != self.k.shape[0]:  # a cache kept per query head (SnapKV without GQA)
             k = k.repeat_interleave(self.k.shape[0] // k.shape[0], 0)
             v = v.repeat_interleave(self.k.shape[0] // v.shape[0], 0)
         self.k[:, self.length] = k[:, 0]
         self.v[:, self.length] = v[:, 0]
         self.pos[:, self.length] = position
+
+    def make_room(self) -> None:
+        """Make sure the slot after the live entries exists (the next token's)."""
+        if self.length == self.capacity:
+            self._grow()
 
     def commit(self) -> None:
         self.length += 1

@@ -16,7 +16,7 @@ from typing import Any, overload
 
 import torch
 
-from speedkv.core.attention import batch_decode_attention
+from speedkv.core.attention import batch_decode_attention, native_decode_takes
 from speedkv.core.cache import KVCache
 from speedkv.core.flops import decode_flops, prefill_flops
 from speedkv.core.policy import Policy, PromptInfo
@@ -256,13 +256,74 @@ class Engine:
 
         Projections and MLPs run batched; each sequence attends over its own cache (in one
         kernel call for the batch where the native kernel runs), so sequences of different
-        lengths and methods share a step.
+        lengths and methods share a step. Where every piece is native and every sequence only
+        appends to its layers' caches, each layer is one native call.
         """
         bb = self.backbone
         h = bb.embed(torch.tensor(tokens, device=self.device))[:, None, :]  # [B, 1, H]
         cos, sin = bb.rope(torch.tensor(positions, device=self.device), bound=max(positions) + 1)
         cos, sin = cos[:, None, None, :], sin[:, None, None, :]
         plans = [decode_plan(p, self.depth) for p in policies]
+        if self._layers_in_one_call(caches, policies, h):
+            for layer in range(self.depth):
+                h = self._layer_in_one_call(layer, h, cos, sin, caches, plans, positions)
+        else:
+            h = self._layers_in_parts(h, cos, sin, caches, policies, plans, positions)
+        return bb.logits(bb.final_norm(h[:, -1]))
+
+    def _layers_in_one_call(
+        self, caches: list[KVCache], policies: list[Policy], h: torch.Tensor
+    ) -> bool:
+        """Whether this step runs each layer as one native call (Backbone.decode_layer): the
+        backbone's native pieces take every layer for this batch, the native decode attention
+        takes its heads, and every sequence only writes its tokens into each layer's own cache
+        (as full attention's, as many KV heads as the model)."""
+        heads = self.shape.num_kv_heads
+        return (
+            self.backbone.layers_in_one_call(h.shape[0])
+            and native_decode_takes(self.backbone.native_ops, h.dtype, self.shape.head_dim)
+            and all(own_cache_only(p, self.depth) is None for p in policies)
+            and all(kv.k.shape[0] == heads for cache in caches for kv in cache.layers)
+        )
+
+    def _layer_in_one_call(
+        self,
+        layer: int,
+        h: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        caches: list[KVCache],
+        plans: list[list[tuple[int, tuple[int, int] | None, bool]]],
+        positions: list[int],
+    ) -> torch.Tensor:
+        layers = [cache.layers[layer] for cache in caches]
+        for kv in layers:
+            kv.make_room()
+        buffers = (
+            [kv.k for kv in layers],
+            [kv.v for kv in layers],
+            [kv.pos for kv in layers],
+            [kv.length for kv in layers],
+        )
+        h = self.backbone.decode_layer(layer, h, cos, sin, buffers, positions)
+        for kv, plan in zip(layers, plans):
+            kv.reads += kv.length + 1
+            if plan[layer][2]:
+                kv.commit()
+        return h
+
+    def _layers_in_parts(
+        self,
+        h: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        caches: list[KVCache],
+        policies: list[Policy],
+        plans: list[list[tuple[int, tuple[int, int] | None, bool]]],
+        positions: list[int],
+    ) -> torch.Tensor:
+        """Every layer of a decode step, piece by piece: any method, any kernels."""
+        bb = self.backbone
         sources = {ki[0] for plan in plans for _, ki, _ in plan if ki is not None}
         saved: dict[int, torch.Tensor] = {}
         for layer in range(self.depth):
@@ -291,7 +352,7 @@ class Engine:
                     kv.commit()
                 policies[b].after_decode(layer, q[b], kv)
             h = bb.after_attention(layer, h, o)
-        return bb.logits(bb.final_norm(h[:, -1]))
+        return h
 
     # -- generation --------------------------------------------------------------------------
     def run(self, requests: list[Request]) -> Iterator[TokenEvent]:
@@ -578,6 +639,18 @@ def check_reusable(policy: Policy | type[Policy]) -> None:
             f"depends on the end of the prompt, or its reuse is not defined; caches of "
             f"{' and '.join(reusable)} can be reused"
         )
+
+
+def own_cache_only(policy: Policy, depth: int) -> str | None:
+    """Why a policy's decode does more than write each token's K/V into each layer's own cache
+    (K/V computed from another layer's input, a cache shared between layers, eviction after a
+    step); None when that is all it does."""
+    if type(policy).after_decode is not Policy.after_decode:
+        return "it changes its cache during decode"
+    for layer, (owner, kv_input, _) in enumerate(decode_plan(policy, depth)):
+        if owner != layer or kv_input is not None:
+            return f"layer {layer} does not append its own K/V during decode"
+    return None
 
 
 def decode_plan(policy: Policy, depth: int) -> list[tuple[int, tuple[int, int] | None, bool]]:

@@ -26,7 +26,7 @@ import torch
 
 from speedkv.core.attention import matmul_decode_attention
 from speedkv.core.cache import KVCache
-from speedkv.core.engine import Engine, decode_plan
+from speedkv.core.engine import Engine, decode_plan, own_cache_only
 from speedkv.core.policy import Policy
 
 
@@ -124,10 +124,11 @@ class GraphDecode:
 
 def why_not(engine: Engine, policy: Policy, cache: KVCache, steps: int) -> str | None:
     """Why this sequence cannot decode through a recorded step; None if it can."""
-    if type(policy).after_decode is not Policy.after_decode:
-        return "it changes its cache during decode, which a recorded step cannot follow"
-    for layer, (owner, kv_input, keeps) in enumerate(decode_plan(policy, engine.depth)):
-        if owner != layer or kv_input is not None or not keeps:
+    refusal = own_cache_only(policy, engine.depth)
+    if refusal is not None:
+        return f"{refusal}, which a recorded step cannot follow"
+    for layer, (_, _, keeps) in enumerate(decode_plan(policy, engine.depth)):
+        if not keeps:
             return f"layer {layer} does not append its own K/V during decode"
     short = [i for i, kv in enumerate(cache.layers) if kv.capacity < kv.length + steps]
     if short:

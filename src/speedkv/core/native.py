@@ -46,6 +46,7 @@ CSRC = Path(__file__).parent / "csrc"
 KERNELS = {
     "decode_attention": ("decode_attention", "decode_attention_lanes"),
     "decode_linear": ("pack_linear_weight", "packed_linear"),
+    "decode_layer": ("decode_layer",),  # calls the others: used only where they all are
     "layer_ops": ("rms_norm", "add_rms_norm", "silu_mul", "rotary_split"),
     "prefill_attention": ("causal_attention", "prefill_attention_unit"),
     "tile_linear": ("tile_linear",),
@@ -155,12 +156,11 @@ def load_kernel(root: Path, name: str, source_dir: Path = CSRC) -> Path:
     KernelUnavailable if it cannot be built (recorded, so later processes do not retry)."""
     build = root / f"{name}-{_source_key(name, source_dir)}"
     library = build / f"speedkv_{name}.so"
-    if library.is_file():
-        torch.ops.load_library(str(library))
-        return library
     failed = build / "FAILED"
     if failed.is_file():
         raise KernelUnavailable(failed.read_text().strip() + f" (recorded in {failed})")
+    if library.is_file():
+        return _load(library, failed)
     build.mkdir(parents=True, exist_ok=True)
     timeout = float(os.environ.get(LOCK_TIMEOUT, "600"))
     with exclusive(build / "build.lock", timeout) as held:
@@ -173,9 +173,22 @@ def load_kernel(root: Path, name: str, source_dir: Path = CSRC) -> Path:
                 _compile(name, source_dir / f"{name}.cpp", build)
             except Exception as error:  # noqa: BLE001 - any build failure: use torch's kernel
                 summary = _last_line(error)
+                if isinstance(error, OSError) and library.is_file():  # torch's loader's
+                    summary = f"its library does not load: {_last_line(error.__cause__ or error)}"
                 failed.write_text(summary + "\n")
                 raise KernelUnavailable(summary) from None
-    torch.ops.load_library(str(library))
+    return _load(library, failed)
+
+
+def _load(library: Path, failed: Path) -> Path:
+    """Load a built library; one that does not load (a symbol this torch lacks) is recorded
+    as failed, like a build that failed."""
+    try:
+        torch.ops.load_library(str(library))
+    except OSError as error:
+        summary = f"its library does not load: {_last_line(error.__cause__ or error)}"
+        failed.write_text(summary + "\n")
+        raise KernelUnavailable(summary) from None
     return library
 
 

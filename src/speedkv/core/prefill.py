@@ -78,6 +78,7 @@ class PrefillRun:
         self.layers: list[LayerKV] = []
         self.rows: list[int] = []
         self.pairs: list[int | torch.Tensor] = []
+        self._rope_of: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
 
     def run(self, prompt: PromptInfo, next_position: int) -> Prefill:
         policy, bb = self.policy, self.bb
@@ -129,8 +130,8 @@ class PrefillRun:
         kv_input = policy.kv_input(layer)
         window = policy.query_window(layer)
         rows = h.shape[0]
-        cos, sin = bb.rope(pos, bound=self.bound)
-        q_all = h.new_empty((shape.num_heads, rows, shape.head_dim))
+        cos, sin = self._rope(pos)
+        queries = []
         for start, end in self._chunks(rows):  # projections, chunk by chunk
             c, s = cos[start:end], sin[start:end]
             if kv_input is None and writes:
@@ -144,13 +145,15 @@ class PrefillRun:
                     k, v = bb.kv(layer, bb.input_norm(norm, h_src[picked]), c, s)
             if writes:
                 kv.extend(k, v, pos[start:end])
-            q_all[:, start:end] = q
+            queries.append(q)
+        q_all = joined(queries, dim=1)
         o_all, attended = self._attend(layer, q_all, pos, kv, aligned)
-        out = torch.empty_like(h)
-        for start, end in self._chunks(rows):  # output projection and MLP, chunk by chunk
-            out[start:end] = bb.after_attention(
-                layer, h[start:end], o_all[:, start:end], prefill=True
-            )
+        out = joined(  # output projection and MLP, chunk by chunk
+            [
+                bb.after_attention(layer, h[start:end], o_all[:, start:end], prefill=True)
+                for start, end in self._chunks(rows)
+            ]
+        )
         q_tail = q_all[:, -window:] if window else None
         view = _View(layer, kv, pos, q_tail, pos[-q_tail.shape[1] :] if window else None)
         policy.observe(layer, view)
@@ -190,6 +193,12 @@ class PrefillRun:
             attended += mask.sum()
         return out, attended
 
+    def _rope(self, pos: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos, sin of the stream's positions: gathered once while the stream keeps its rows."""
+        if self._rope_of is None or self._rope_of[0] is not pos:
+            self._rope_of = (pos, *self.bb.rope(pos, bound=self.bound))
+        return self._rope_of[1], self._rope_of[2]
+
     def _chunks(self, rows: int):
         for start in range(0, rows, self.chunk):
             yield start, min(start + self.chunk, rows)
@@ -206,3 +215,8 @@ class PrefillRun:
                 x = self.bb.input_norm(norm, gone.h[start:end])
                 k, v = self.bb.kv(layer, x, cos, sin)
                 yield k, v, gone.pos[start:end]
+
+
+def joined(parts: list[torch.Tensor], dim: int = 0) -> torch.Tensor:
+    """The chunks' results as one tensor; a single chunk's as it is (no copy)."""
+    return parts[0] if len(parts) == 1 else torch.cat(parts, dim=dim)

@@ -119,11 +119,20 @@ class KernelChoice:
         ]
 
 
+# kernels whose operators do several kinds of work, and those kinds: a kernel is set aside
+# with any of them (the tile kernel takes decode's larger batches on the decode linear layers'
+# packed copy; decode_layer runs a whole decode layer: its small operations, products and
+# attention)
+SHARED_KERNELS = {
+    "tile_linear": ("decode_linear",),
+    "decode_layer": ("decode_attention", "layer_ops", "decode_linear"),
+}
+
+
 def operators_of(kind: str) -> tuple[str, ...]:
-    """The native operators a kind of work uses (the tile kernel takes decode's larger batches
-    on the decode linear layers' packed copy)."""
-    extra = native.KERNELS["tile_linear"] if kind == "decode_linear" else ()
-    return native.KERNELS[kind] + extra
+    """The native operators a kind of work uses."""
+    shared = (name for name, kinds in SHARED_KERNELS.items() if kind in kinds)
+    return native.KERNELS[kind] + tuple(op for name in shared for op in native.KERNELS[name])
 
 
 def mode() -> str:

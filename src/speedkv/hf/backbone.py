@@ -28,6 +28,7 @@ from speedkv.hf.fused import (
     can_prepack,
     linear_tensors,
     prepacked,
+    tiles_for_rows,
     tiles_take,
 )
 from speedkv.hf.int8 import Int8Linear
@@ -37,6 +38,11 @@ SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
 # The families' RMSNorm classes, which all compute weight * (x / rms(x) in float32, rounded to
 # the input dtype); the decoder runs that as one fused kernel instead of the module's six ops.
 T5_STYLE_NORMS = ("LlamaRMSNorm", "MistralRMSNorm", "Qwen2RMSNorm", "Qwen3RMSNorm")
+# what `decode_layer` calls (core/csrc/decode_layer.cpp), besides the tile kernel for batches
+ONE_CALL_OPERATORS = (
+    "decode_layer", "rms_norm", "add_rms_norm", "silu_mul", "rotary_split", "packed_linear",
+    "decode_attention",
+)  # fmt: skip
 FINGERPRINT_SAMPLES = 1024  # values read from each parameter
 # config entries that say how the model was loaded or what it returns, not what it computes
 NOT_FINGERPRINTED = {
@@ -178,6 +184,8 @@ class Backbone:
         # larger decode batches: on the packed copy too (the AMX tile kernel), or the plain one
         self.tile_batches = False
         self._tiles_take_all = False  # every packed copy is one the tile kernel takes
+        # every layer's weights as `decode_layer` takes them, where all are packed by speedkv
+        self._native_layers: list[tuple[list, list]] | None = None
 
     # -- basic facts --------------------------------------------------------------------------
     @property
@@ -347,6 +355,38 @@ class Backbone:
         """Whether a decode batch of `rows` uses the packed copies (see `tile_batches`)."""
         return rows <= self.native_linear_rows or (self.tile_batches and self._tiles_take_all)
 
+    def layers_in_one_call(self, rows: int) -> bool:
+        """Whether a decode batch of `rows` can run each layer as one native call
+        (`decode_layer`): every layer's products are on speedkv's packed copies for this many
+        rows, and every operator the call makes was built here and chosen."""
+        ops = self.native_ops
+        tiles = tiles_for_rows(rows)
+        return (
+            ops is not None
+            and all(hasattr(ops, name) for name in ONE_CALL_OPERATORS)
+            and self._native_layers is not None
+            and self._on_packed(rows)
+            and (not tiles or (self._tiles_take_all and hasattr(ops, "tile_linear")))
+        )
+
+    def decode_layer(
+        self,
+        layer: int,
+        h: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        caches: tuple[list[torch.Tensor], list[torch.Tensor], list[torch.Tensor], list[int]],
+        positions: list[int],
+    ) -> torch.Tensor:
+        """The residual leaving `layer` for a decode batch h [B, 1, H], each sequence's new
+        key, value and position written into its cache buffers at its live length, in one
+        native call (see layer_work.decode_layer; only where `layers_in_one_call`)."""
+        args = self._native_layers[layer]  # type: ignore[index]
+        tiles = tiles_for_rows(h.shape[0])
+        return layer_work.decode_layer(
+            h, args, cos, sin, self._dims, self.native_ops, caches, positions, tiles
+        )
+
     def _tiles_for(self, tensors: tuple[torch.Tensor | None, ...]) -> bool:
         return self.tile_batches and tiles_take(tensors)
 
@@ -380,6 +420,14 @@ class Backbone:
             self._packed_head = prepacked(head, ops)  # type: ignore[arg-type]
         packed = [t for w in layers if w is not None for t in (w.qkv, w.o, w.gate_up, w.down)]
         self._tiles_take_all = bool(packed) and all(tiles_take(t) for t in packed)
+        norms = [n for w in layers if w is not None for n in (w.input_norm, w.post_norm)]
+        native = (
+            self._packed_head is not None
+            and all(w is not None for w in layers)
+            and all(t[0].dim() == 4 for t in packed)  # speedkv's layout, not oneDNN's
+            and all(n.dtype == self.dtype for n in norms)
+        )
+        self._native_layers = [layer_work.native_layer_args(w) for w in layers] if native else None
         self._decode_weights = layers
         self._weights_key = self._parameter_ids()  # fusing replaced the parts' parameters
 

@@ -101,11 +101,14 @@ def use_tiles_above(rows: int | None) -> None:
     _tiles_above = rows
 
 
+def tiles_for_rows(rows: int) -> bool:
+    """Whether products of `rows` rows on a packed copy the tile kernel takes go to it."""
+    return _tiles_above is not None and rows > _tiles_above
+
+
 def _on_tiles(x: torch.Tensor, packed: torch.Tensor, extras: int) -> bool:
-    return (
-        _tiles_above is not None
-        and x.numel() // max(1, x.shape[-1]) > _tiles_above
-        and tiles_take((packed, *[None] * extras))
+    return tiles_for_rows(x.numel() // max(1, x.shape[-1])) and tiles_take(
+        (packed, *[None] * extras)
     )
 
 

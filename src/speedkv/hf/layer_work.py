@@ -13,7 +13,9 @@ runs the model's own modules (see `Backbone.decode_weights`).
 
 Given `ops` (speedkv's native CPU operations, which the engine hands the backbone), the small
 steps -- norm, residual add and norm, rotary and the split into heads, SiLU times up -- are one
-call each instead of a dozen, with the same roundings.
+call each instead of a dozen, with the same roundings. Where every piece of a decode step's
+layer is native, the whole layer, attention and the cache write included, is one call
+(`decode_layer`).
 """
 
 from __future__ import annotations
@@ -129,3 +131,42 @@ def after_attention(
     x = rms_norm(h, weights.post_norm, dims.eps)
     gate, up = apply_linear(x, weights.gate_up).split(dims.intermediate, dim=-1)
     return h + apply_linear(F.silu(gate) * up, weights.down)
+
+
+def native_layer_args(
+    weights: LayerTensors,
+) -> tuple[list[torch.Tensor], list[torch.Tensor | None]]:
+    """A layer's weights packed for decode as `decode_layer` takes them: the input norm, q/k/v,
+    output, post norm, gate/up and down weights; then each product's scale (int8 weights) and
+    bias."""
+    products = (weights.qkv, weights.o, weights.gate_up, weights.down)
+    qkv, o, gate_up, down = (p[0] for p in products)
+    tensors = [weights.input_norm, qkv, o, weights.post_norm, gate_up, down]
+    extras = [t for p in products for t in (p[1] if len(p) == 3 else None, p[-1])]
+    return tensors, extras  # type: ignore[return-value]
+
+
+def decode_layer(
+    h: torch.Tensor,
+    args: tuple[list[torch.Tensor], list[torch.Tensor | None]],
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+    dims: LayerDims,
+    ops: NativeOps,
+    caches: tuple[list[torch.Tensor], list[torch.Tensor], list[torch.Tensor], list[int]],
+    token_positions: list[int],
+    tiles: bool,
+) -> torch.Tensor:
+    """A decode step's whole layer in one native call (core/csrc/decode_layer.cpp): what
+    `before_attention`, writing each sequence's new key and value, the native decode
+    attention and `after_attention` compute, bit for bit. h: [B, 1, H]; `args` from
+    `native_layer_args`; `caches`: each sequence's key, value and position buffers of this
+    layer and its live length (the token goes into that slot, which must exist); `tiles`:
+    the products run on the AMX tile kernel."""
+    weights, extras = args
+    keys, values, positions, lengths = caches
+    q_heads, kv_heads = (size // dims.head_dim for size in dims.qkv_sizes[:2])
+    return ops.decode_layer(
+        h, cos, sin, weights, extras, keys, values, positions, lengths, token_positions,
+        dims.eps, q_heads, kv_heads, tiles,
+    )  # fmt: skip
