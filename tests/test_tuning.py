@@ -223,7 +223,7 @@ def test_doctor_names_the_machine_and_the_choice():
     result = CliRunner().invoke(app, ["doctor"])
     assert result.exit_code == 0, result.output
     assert "cpu:" in result.output and "kernel choice" in result.output
-    assert "decode linear layers:" in result.output
+    assert "decode linear layers:" in result.output and "decode layers:" in result.output
     facts = json.loads(CliRunner().invoke(app, ["doctor", "--json"]).output)
     assert {"cpu", "isa", "cores", "torch", "onednn", "kernels"} <= set(facts)
 
@@ -236,6 +236,16 @@ def test_the_choice_says_where_bfloat16_layers_cannot_use_onednn(monkeypatch, on
     (linear,) = [line for line in KernelChoice.torch_only().lines() if "decode linear" in line]
     assert linear.startswith("decode linear layers: oneDNN for every batch")
     assert ("this CPU's oneDNN takes none" in linear) == (not onednn_bf16)
+
+
+def test_the_choice_says_whether_decode_layers_run_in_one_call():
+    """One native call a layer needs every decode kind native and the layer's kernel built."""
+    assert "decode layers: in parts" in KernelChoice.torch_only().lines()
+    assert "decode layers: in parts" in KernelChoice(layer_ops=TORCH).lines()
+    ops = native.native_ops()
+    built = ops is not None and hasattr(ops, "decode_layer")
+    one_call = "decode layers: one native call each" in KernelChoice().lines()
+    assert one_call == built
 
 
 def test_a_candidate_that_fails_here_loses():

@@ -109,11 +109,14 @@ class KernelChoice:
         ops = native.native_ops()
         if prefill == NATIVE and ops is not None and hasattr(ops, "prefill_attention_unit"):
             prefill += f" (products on {ops.prefill_attention_unit()})"
+        decode_kinds = (self.decode_attention, self.layer_ops, self.decode_linear)
+        one_call = all(kind == NATIVE for kind in decode_kinds) and hasattr(ops, "decode_layer")
         return [
             f"prefill attention: {prefill}",
             f"decode attention: {self.decode_attention}",
             f"layer small operations: {self.layer_ops}",
             f"decode linear layers: {linear}",
+            "decode layers: " + ("one native call each" if one_call else "in parts"),
             f"prefill linear layers: {self.prefill_linear} products",
             *([f"timed on {self.clock}"] if self.clock else []),
         ]
