@@ -173,7 +173,6 @@ class Engine:
             model.backbone.native_linear_rows = kernel_choice().decode_linear_native_rows
             # a stored choice outlives a kernel whose library was since lost: use what loaded
             tiles = kernel_choice().tiles_for_batches and hasattr(engine_kernels(), "tile_linear")
-            model.backbone.tile_batches = tiles
             use_tiles_above(kernel_choice().decode_linear_native_rows if tiles else None)
             prefer_float32_products(kernel_choice().prefill_linear == FLOAT32)
 

@@ -181,8 +181,6 @@ class Backbone:
         # decode batches of more rows than this run the plain weights (oneDNN) instead of the
         # prepacked copy: the engine sets it from the measured kernel choice
         self.native_linear_rows = 1 << 30
-        # larger decode batches: on the packed copy too (the AMX tile kernel), or the plain one
-        self.tile_batches = False
         self._tiles_take_all = False  # every packed copy is one the tile kernel takes
         # every layer's weights as `decode_layer` takes them, where all are packed by speedkv
         self._native_layers: list[tuple[list, list]] | None = None
@@ -350,6 +348,13 @@ class Backbone:
             self.decode_weights()  # gathers both sets
             return self._plain_weights[layer]
         return self.decode_weights()[layer]
+
+    @property
+    def tile_batches(self) -> bool:
+        """Whether decode batches above `native_linear_rows` run on the packed copy too (the
+        AMX tile kernel: `fused.use_tiles_above`, which the engine sets from the measured
+        choice), rather than on the plain weights."""
+        return tiles_for_rows(self.native_linear_rows + 1)
 
     def _on_packed(self, rows: int) -> bool:
         """Whether a decode batch of `rows` uses the packed copies (see `tile_batches`)."""
