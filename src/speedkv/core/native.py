@@ -172,9 +172,8 @@ def load_kernel(root: Path, name: str, source_dir: Path = CSRC) -> Path:
             try:
                 _compile(name, source_dir / f"{name}.cpp", build)
             except Exception as error:  # noqa: BLE001 - any build failure: use torch's kernel
-                summary = _last_line(error)
-                if isinstance(error, OSError) and library.is_file():  # torch's loader's
-                    summary = f"its library does not load: {_last_line(error.__cause__ or error)}"
+                built = isinstance(error, OSError) and library.is_file()  # torch's loader's
+                summary = _does_not_load(error) if built else _last_line(error)
                 failed.write_text(summary + "\n")
                 raise KernelUnavailable(summary) from None
     return _load(library, failed)
@@ -186,10 +185,15 @@ def _load(library: Path, failed: Path) -> Path:
     try:
         torch.ops.load_library(str(library))
     except OSError as error:
-        summary = f"its library does not load: {_last_line(error.__cause__ or error)}"
+        summary = _does_not_load(error)
         failed.write_text(summary + "\n")
         raise KernelUnavailable(summary) from None
     return library
+
+
+def _does_not_load(error: OSError) -> str:
+    """What a built library that fails to load is recorded as: the loader's own reason."""
+    return f"its library does not load: {_last_line(error.__cause__ or error)}"
 
 
 def kernel_status(root: Path | None = None) -> dict[str, str]:

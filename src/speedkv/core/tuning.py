@@ -109,8 +109,7 @@ class KernelChoice:
         ops = native.native_ops()
         if prefill == NATIVE and ops is not None and hasattr(ops, "prefill_attention_unit"):
             prefill += f" (products on {ops.prefill_attention_unit()})"
-        decode_kinds = (self.decode_attention, self.layer_ops, self.decode_linear)
-        one_call = all(kind == NATIVE for kind in decode_kinds) and hasattr(ops, "decode_layer")
+        one_call = hasattr(ops, "decode_layer") and "decode_layer" not in self.hidden_operators()
         return [
             f"prefill attention: {prefill}",
             f"decode attention: {self.decode_attention}",

@@ -169,7 +169,6 @@ const uint16_t* silu_table() {
 
 template <typename T>
 void silu_mul_row(const T* gate, const T* up, T* out, int64_t width, const uint16_t* table) {
-  using Wide = at::vec::Vectorized<float>;
   using Narrow = at::vec::Vectorized<T>;
   for (int64_t i = 0; i < width; i += Narrow::size()) {
 #if defined(CPU_CAPABILITY_AVX512)
@@ -183,7 +182,7 @@ void silu_mul_row(const T* gate, const T* up, T* out, int64_t width, const uint1
         _mm512_inserti64x4(_mm512_castsi256_si512(lookup(gate + i)), lookup(gate + i + 16), 1));
 #else
     (void)table;
-    const Wide one(1.f);
+    const at::vec::Vectorized<float> one(1.f);
     auto [g0, g1] = at::vec::convert_to_float<T>(Narrow::loadu(gate + i));
     const Narrow silu =
         at::vec::convert_from_float<T>(g0 / (one + g0.neg().exp()), g1 / (one + g1.neg().exp()));
