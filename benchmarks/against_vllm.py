@@ -28,6 +28,7 @@ from pathlib import Path
 import torch
 
 from speedkv import Engine, Request, SamplingParams, load_model
+from speedkv._openmp import peer_environment
 from speedkv.bench.machine import machine_facts
 from speedkv.prompts.builders import exact_chat_prompt
 
@@ -67,7 +68,12 @@ class ServedVllm:
         ]
         print(f"[against-vllm] {' '.join(command)}", file=sys.stderr, flush=True)
         self.process = subprocess.Popen(
-            command, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, bufsize=1
+            command,
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            text=True,
+            bufsize=1,
+            env=peer_environment(),  # vLLM on its own OpenMP defaults, not speedkv's
         )
         self.about = json.loads(self._answer(READY))
 

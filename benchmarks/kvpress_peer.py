@@ -978,7 +978,10 @@ def drive(args) -> None:
             }
         )
     )
-    env = {**os.environ, "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"}
+    from speedkv._openmp import peer_environment
+
+    # kvpress on its own OpenMP defaults, not the spin count speedkv chose for itself
+    env = {**peer_environment(), "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"}
     env |= {"OMP_NUM_THREADS": str(args.threads), "TOKENIZERS_PARALLELISM": "false"}
     if args.check_tokens:
         command = [args.kvpress_python, SCRIPT, "--tokens-of", str(jobs_path)]

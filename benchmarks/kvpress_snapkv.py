@@ -161,6 +161,7 @@ def main() -> None:
     parser.add_argument("--out", default="runs/kvpress-snapkv")
     args = parser.parse_args()
 
+    from speedkv._openmp import peer_environment
     from speedkv.evals import ruler
     from speedkv.hf.loading import load_tokenizer, model_directory
 
@@ -182,7 +183,7 @@ def main() -> None:
         (out / "jobs.json").write_text(json.dumps(jobs))
         command = [args.kvpress_python, peer.SCRIPT, "--run", str(out / "jobs.json")]
         command += ["--results", str(results), "--kept", str(kept_path)]
-        env = {**os.environ, "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": str(args.threads)}
+        env = {**peer_environment(), "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": str(args.threads)}
         subprocess.run(command, env=env, check=True)
     rows = {(r["job"], r["method"]): r for r in peer.read_results(results)}
     kept = {r["job"]: r for r in map(json.loads, kept_path.read_text().splitlines())}

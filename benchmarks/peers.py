@@ -41,6 +41,7 @@ from pathlib import Path
 import torch
 
 from speedkv import Engine, Request, SamplingParams, load_model
+from speedkv._openmp import peer_environment
 from speedkv.bench.machine import machine_facts
 from speedkv.bench.roofline import MachineLimits, measure_limits
 from speedkv.prompts.builders import exact_chat_prompt
@@ -133,7 +134,8 @@ def run_peer(command: list[str], jobs: list[dict]) -> dict:
         requests.write_text(json.dumps(jobs))
         command = [*command, "--requests", str(requests), "--out", str(out)]
         print(f"[peers] {' '.join(command)}", file=sys.stderr, flush=True)
-        subprocess.run(command, check=True)
+        # the peer on its own OpenMP defaults, not the spin count speedkv chose for itself
+        subprocess.run(command, check=True, env=peer_environment())
         return json.loads(out.read_text())
 
 

@@ -7,7 +7,8 @@ transformers' internals, and `analysis/`, `bench/`, `evals/`, `train/`, `server/
 the tools and faces built on them.
 """
 
-from speedkv import methods  # noqa: F401  (importing the package registers every method)
+# _openmp first: it sets OpenMP's spin count before torch loads; methods registers every method
+from speedkv import _openmp, methods  # noqa: F401
 from speedkv.core.engine import Engine, Generation, Request
 from speedkv.core.prefix import CachedPrefix, PrefixCache
 from speedkv.core.prefix_file import load_prefix, save_prefix

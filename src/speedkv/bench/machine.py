@@ -10,6 +10,8 @@ from pathlib import Path
 
 import torch
 
+from speedkv._openmp import wait_setting
+
 # the instruction sets the kernels here (torch's, oneDNN's, speedkv's, vLLM's) choose between
 ISA_FLAGS = ("avx2", "avx512f", "avx512_bf16", "avx512_fp16", "amx_bf16", "amx_int8", "amx_tile",
              "asimd", "sve", "bf16", "i8mm")  # fmt: skip
@@ -49,6 +51,7 @@ def machine_facts() -> dict:
         "cores": len(os.sched_getaffinity(0)),
         "memory_gib": round(memory_kib / 2**20, 1),
         "threads": torch.get_num_threads(),
+        "openmp_wait": wait_setting(),
         "python": platform.python_version(),
         "torch": torch.__version__,
         "aten_capability": torch.backends.cpu.get_cpu_capability(),

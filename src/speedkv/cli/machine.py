@@ -25,6 +25,7 @@ def doctor(as_json: AsJson = False) -> None:
         return
     print(f"cpu: {facts['cpu']} ({facts['cores']} cores available, "
           f"{facts['memory_gib']} GiB memory)")  # fmt: skip
+    print(f"threads: {facts['threads']}, waiting as {facts['openmp_wait']}")
     print(f"instruction sets: {', '.join(facts['isa']) or 'none of the ones that matter'}")
     print(f"torch {facts['torch']}, oneDNN {facts['onednn']}, transformers "
           f"{facts['transformers']}")  # fmt: skip
