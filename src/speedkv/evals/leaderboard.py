@@ -438,7 +438,7 @@ def plot_pareto(rows: list[Row], length: int, path: Path, title: str = "") -> Pa
                 ax.set_xscale("log")
             ax.set_title(SETTING_LABELS[setting], fontsize=9)
         axes[0].set_ylabel(f"RULER average at {length} tokens, %")
-    grid[0][0].legend(fontsize=7, loc="center left")
+    grid[0][0].legend(fontsize=7, loc="best")  # where it covers the fewest points
     fig.suptitle(
         (title + "\n" if title else "")
         + "black edge: with a SPEED-aware adapter (off the front, which joins untrained rows); "
