@@ -35,6 +35,13 @@ inline T round_to(float x) {
   return static_cast<T>(x);
 }
 
+// round_to for the two float vectors that one vector of T widens to: rounded to T and back
+template <typename T>
+inline std::tuple<at::vec::Vectorized<float>, at::vec::Vectorized<float>> rounded_to(
+    const at::vec::Vectorized<float>& lo, const at::vec::Vectorized<float>& hi) {
+  return at::vec::convert_to_float<T>(at::vec::convert_from_float<T>(lo, hi));
+}
+
 // weight * rms_norm(x) on one row: the norm in float32 and rounded to T, then times the
 // weight and rounded again (the order the Llama-family modules use).
 // The sum of squares runs in 16 lanes (torch's reduction has an order of its own too): one
@@ -69,8 +76,7 @@ void norm_row(const T* x, const T* weight, int64_t width, float eps, T* out) {
     const at::vec::Vectorized<float> scale(inv);
     for (; i + Narrow::size() <= width; i += Narrow::size()) {
       auto [x0, x1] = at::vec::convert_to_float<T>(Narrow::loadu(x + i));
-      auto [n0, n1] = at::vec::convert_to_float<T>(
-          at::vec::convert_from_float<T>(x0 * scale, x1 * scale));
+      auto [n0, n1] = rounded_to<T>(x0 * scale, x1 * scale);
       auto [w0, w1] = at::vec::convert_to_float<T>(Narrow::loadu(weight + i));
       at::vec::convert_from_float<T>(w0 * n0, w1 * n1).store(out + i);
     }
@@ -237,10 +243,8 @@ void rotate_row(const T* x, const T* c, const T* s, int64_t dim, T* out) {
         auto [r0, r1] = at::vec::convert_to_float<T>(Narrow::loadu(d < half ? x + d + half
                                                                               : x + d - half));
         if (d < half) r0 = r0.neg(), r1 = r1.neg();
-        auto [a0, a1] = at::vec::convert_to_float<T>(at::vec::convert_from_float<T>(x0 * c0,
-                                                                                    x1 * c1));
-        auto [b0, b1] = at::vec::convert_to_float<T>(at::vec::convert_from_float<T>(r0 * s0,
-                                                                                    r1 * s1));
+        auto [a0, a1] = rounded_to<T>(x0 * c0, x1 * c1);
+        auto [b0, b1] = rounded_to<T>(r0 * s0, r1 * s1);
         at::vec::convert_from_float<T>(a0 + b0, a1 + b1).store(out + d);
       }
     }
