@@ -38,7 +38,6 @@ import re
 import subprocess
 import sys
 import tempfile
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from functools import cache
 from importlib import metadata, resources
@@ -251,66 +250,105 @@ def ensure_samples(
             f"generating RULER samples with {PACKAGE} {package_version()}: {len(todo)} task "
             f"files in {root} (seconds each at 4K; reused by later runs)"
         )
+    root.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(dir=root) as scratch:
+        jobs = [
+            generator_job(task, length, seed, n, tokenizer_dir, Path(scratch) / str(i))
+            for i, (task, length, n) in enumerate(todo)
+        ]
+        results = run_generators(jobs, nltk_dir)
+        failures = []
+        for (task, length, n), job, result in zip(todo, jobs, results):
+            try:
+                made = generated_file(task, length, job, result)
+            except UserError as why:
+                failures.append(why)
+                continue
+            target = sample_file(root, fingerprint, task, length, seed, n)
+            target.parent.mkdir(parents=True, exist_ok=True)
+            os.replace(made, target)
+        if failures:
+            raise failures[0]  # the others' samples are kept
 
-    def one(item: tuple[str, int, int]) -> None:
-        task, length, n = item
-        target = sample_file(root, fingerprint, task, length, seed, n)
-        generate(task, length, seed, n, tokenizer_dir, nltk_dir, target)
 
-    with ThreadPoolExecutor(max_workers=WORKERS) as pool:
-        list(pool.map(one, todo))  # re-raises the first failure
-
-
-def generate(
-    task: str, length: int, seed: int, n: int, tokenizer_dir: Path, nltk_dir: Path, target: Path
-) -> None:
-    """Run the package's generator for one task, as prepare.py does, into `target`."""
+def generator_job(
+    task: str, length: int, seed: int, n: int, tokenizer_dir: Path, scratch: Path
+) -> dict:
+    """The package's generator for one task, with the arguments prepare.py gives it, to run in
+    `scratch` (ruler_launcher's job)."""
     spec = task_spec(task)
     script = package_file("data", "synthetic", f"{spec.kind}.py")
     extra = [x for key, value in spec.args.items() for x in (f"--{key}", str(value))]
     if spec.kind == "qa":
         extra += ["--pre_samples", "0"]  # prepare.py passes it for QA (the first chunk)
-    target.parent.mkdir(parents=True, exist_ok=True)
-    with tempfile.TemporaryDirectory(dir=target.parent.parent) as scratch:
-        command = [
-            sys.executable, str(script),
-            "--save_dir", scratch,
-            "--save_name", spec.name,
-            "--subset", "validation",
-            "--tokenizer_path", str(tokenizer_dir),
-            "--tokenizer_type", "hf",
-            "--max_seq_length", str(length),
-            "--tokens_to_generate", str(spec.tokens_to_generate),
-            "--num_samples", str(n),
-            "--random_seed", str(SEED_BASE + seed),
-            *extra,
-            "--template", spec.template,
-        ]  # fmt: skip
-        nltk_path = [str(nltk_dir), *filter(None, [os.environ.get("NLTK_DATA")])]
-        env = {
-            **os.environ,
-            "NLTK_DATA": os.pathsep.join(nltk_path),
-            "HF_HUB_OFFLINE": "1",
-            "TRANSFORMERS_OFFLINE": "1",
-            "TOKENIZERS_PARALLELISM": "false",
-        }
-        timeout = GENERATE_TIMEOUT_S * (1 + length / 4096)
-        try:
-            done = subprocess.run(
-                command, env=env, cwd=scratch, capture_output=True, text=True, timeout=timeout
-            )
-        except subprocess.TimeoutExpired:
-            raise UserError(
-                f"RULER's generator for {spec.name} did not finish within {timeout:.0f} s at "
-                f"length {length}; its haystack step may not fit so short a prompt (RULER "
-                "starts at 4096)"
-            ) from None
-        made = Path(scratch) / spec.name / "validation.jsonl"
-        if done.returncode != 0 or not made.is_file():
-            lines = [line for line in done.stderr.splitlines() if line.strip()]
-            reason = lines[-1] if lines else f"exit code {done.returncode}"
-            raise UserError(f"RULER could not generate {spec.name} at length {length}: {reason}")
-        os.replace(made, target)
+    scratch.mkdir(parents=True)
+    args = [
+        "--save_dir", str(scratch),
+        "--save_name", spec.name,
+        "--subset", "validation",
+        "--tokenizer_path", str(tokenizer_dir),
+        "--tokenizer_type", "hf",
+        "--max_seq_length", str(length),
+        "--tokens_to_generate", str(spec.tokens_to_generate),
+        "--num_samples", str(n),
+        "--random_seed", str(SEED_BASE + seed),
+        *extra,
+        "--template", spec.template,
+    ]  # fmt: skip
+    return {
+        "script": str(script),
+        "args": args,
+        "cwd": str(scratch),
+        "stdout": str(scratch / "stdout.txt"),
+        "stderr": str(scratch / "stderr.txt"),
+        "timeout": GENERATE_TIMEOUT_S * (1 + length / 4096),
+    }
+
+
+def run_generators(jobs: list[dict], nltk_dir: Path) -> list[dict]:
+    """Run the generator jobs, WORKERS at a time, as children of one process that imports
+    their libraries once (ruler_launcher.py)."""
+    nltk_path = [str(nltk_dir), *filter(None, [os.environ.get("NLTK_DATA")])]
+    env = {
+        **os.environ,
+        "NLTK_DATA": os.pathsep.join(nltk_path),
+        "HF_HUB_OFFLINE": "1",
+        "TRANSFORMERS_OFFLINE": "1",
+        "TOKENIZERS_PARALLELISM": "false",
+    }
+    request = json.dumps({"workers": WORKERS, "jobs": jobs})
+    done = subprocess.run(
+        [sys.executable, "-m", "speedkv.evals.ruler_launcher"],
+        input=request,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=sum(job["timeout"] for job in jobs) + 120,
+    )
+    if done.returncode != 0:
+        lines = [line for line in done.stderr.splitlines() if line.strip()]
+        reason = lines[-1] if lines else f"exit code {done.returncode}"
+        raise UserError(f"RULER's generators could not be started: {reason}")
+    return json.loads(done.stdout)
+
+
+def generated_file(task: str, length: int, job: dict, result: dict) -> Path:
+    """The samples file one generator job wrote, or the UserError that says why it did not."""
+    spec = task_spec(task)
+    if result["timed_out"]:
+        raise UserError(
+            f"RULER's generator for {spec.name} did not finish within {job['timeout']:.0f} s at "
+            f"length {length}; its haystack step may not fit so short a prompt (RULER "
+            "starts at 4096)"
+        )
+    made = Path(job["cwd"]) / spec.name / "validation.jsonl"
+    if result["returncode"] != 0 or not made.is_file():
+        stderr = Path(job["stderr"])
+        text = stderr.read_text(errors="replace") if stderr.is_file() else ""
+        lines = [line for line in text.splitlines() if line.strip()]
+        reason = lines[-1] if lines else f"exit code {result['returncode']}"
+        raise UserError(f"RULER could not generate {spec.name} at length {length}: {reason}")
+    return made
 
 
 def punkt_data(root: Path) -> Path:
