@@ -161,6 +161,7 @@ def test_native_kernels_switch_off_and_fall_back_when_the_build_fails(monkeypatc
         attempts.append(name)
         raise OSError("c++: command not found")
 
+    monkeypatch.setenv(native.BUILD_JOBS, "1")  # builds in this process, where _compile breaks
     monkeypatch.setattr(native, "_compile", broken)
     with pytest.warns(RuntimeWarning, match="not available.*command not found"):
         assert build() is None

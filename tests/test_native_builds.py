@@ -64,6 +64,25 @@ def test_a_build_killed_halfway_leaves_the_next_start_working(tmp_path):
     assert Path(out.strip()).is_file() and time.monotonic() - start < 300
 
 
+@needs_compiler
+def test_missing_kernels_are_built_side_by_side_and_failures_recorded(tmp_path, monkeypatch):
+    """A first start builds on several cores: one process per builder, each skipping what
+    another holds; a kernel that does not compile is recorded, and nothing is left to build."""
+    sources = tmp_path / "csrc"
+    sources.mkdir()
+    names = ("tiny_a", "tiny_b", "tiny_c", "broken")
+    for value, name in enumerate(names[:3]):
+        (sources / f"{name}.cpp").write_text(f"int {name}() {{ return {value}; }}\n")
+    (sources / "broken.cpp").write_text("this is not C++\n")
+    root = tmp_path / "built"
+    monkeypatch.setattr(native, "_usable_cores", lambda: 2)
+    native.build_missing(root, names, sources)
+    for name in names[:3]:
+        assert (native.build_dir(root, name, sources) / f"speedkv_{name}.so").is_file()
+    assert (native.build_dir(root, "broken", sources) / "FAILED").is_file()
+    assert not any(native.needs_build(root, name, sources) for name in names)
+
+
 LOAD_EACH = """
 import sys
 from pathlib import Path
