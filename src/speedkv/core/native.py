@@ -156,7 +156,9 @@ def build_missing(
     if workers < 2:
         return
     log(f"compiling {len(missing)} of speedkv's kernels into {root}, {workers} at a time (once)")
-    timeout = float(os.environ.get(LOCK_TIMEOUT, "600")) + 600
+    # no longer than one lock wait: a builder stuck behind a hung holder gives its kernels back
+    # to load_kernel, whose own wait is bounded the same way
+    timeout = float(os.environ.get(LOCK_TIMEOUT, "600"))
 
     def build(worker: int) -> None:
         first = worker * len(missing) // workers
