@@ -317,17 +317,20 @@ def run_generators(jobs: list[dict], nltk_dir: Path) -> list[dict]:
         "TOKENIZERS_PARALLELISM": "false",
     }
     request = json.dumps({"workers": WORKERS, "jobs": jobs})
-    done = subprocess.run(
-        [sys.executable, "-m", "speedkv.evals.ruler_launcher"],
-        input=request,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=sum(job["timeout"] for job in jobs) + 120,
-    )
+    timeout = sum(job["timeout"] for job in jobs) + 120  # each job's own is enforced inside
+    try:
+        done = subprocess.run(
+            [sys.executable, "-m", "speedkv.evals.ruler_launcher"],
+            input=request,
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=timeout,
+        )
+    except subprocess.TimeoutExpired:
+        raise UserError(f"RULER's generators did not finish within {timeout:.0f} s") from None
     if done.returncode != 0:
-        lines = [line for line in done.stderr.splitlines() if line.strip()]
-        reason = lines[-1] if lines else f"exit code {done.returncode}"
+        reason = last_said(done.stderr, done.returncode)
         raise UserError(f"RULER's generators could not be started: {reason}")
     return json.loads(done.stdout)
 
@@ -345,10 +348,15 @@ def generated_file(task: str, length: int, job: dict, result: dict) -> Path:
     if result["returncode"] != 0 or not made.is_file():
         stderr = Path(job["stderr"])
         text = stderr.read_text(errors="replace") if stderr.is_file() else ""
-        lines = [line for line in text.splitlines() if line.strip()]
-        reason = lines[-1] if lines else f"exit code {result['returncode']}"
+        reason = last_said(text, result["returncode"])
         raise UserError(f"RULER could not generate {spec.name} at length {length}: {reason}")
     return made
+
+
+def last_said(stderr: str, returncode: int | None) -> str:
+    """Why a process failed: the last line it wrote to stderr, or its exit code."""
+    lines = [line for line in stderr.splitlines() if line.strip()]
+    return lines[-1] if lines else f"exit code {returncode}"
 
 
 def punkt_data(root: Path) -> Path:

@@ -399,9 +399,10 @@ void run(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, double s
 
   at::parallel_for(0, at::get_num_threads(), 1, [&](int64_t, int64_t) {
     // per query head of the group: its rows, output sums, running max and sum; scores and
-    // probabilities twice over, for the tile unit's pipeline
-    Aligned<bf16> q_rows(group * kRows * dim), probs(2 * kRows * kBlock);
-    Aligned<float> scores(2 * kRows * kBlock), acc(group * kRows * dim);
+    // probabilities twice over on the tile unit (its pipeline holds two steps at once)
+    constexpr int64_t kSteps = kTiles ? 2 : 1;
+    Aligned<bf16> q_rows(group * kRows * dim), probs(kSteps * kRows * kBlock);
+    Aligned<float> scores(kSteps * kRows * kBlock), acc(group * kRows * dim);
     std::vector<float> m(group * kRows);
     std::vector<__m512> l(group * kRows);
     std::vector<int64_t> last_key(kRows);
