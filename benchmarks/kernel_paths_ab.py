@@ -1,15 +1,18 @@
-"""speedkv's batch-1 TTFT and TPOT under each kernel setting, this tree against an earlier
-revision, in alternating processes: on a shared machine whose speed drifts by tens of percent
+"""speedkv's batch-1 TTFT and TPOT under each kernel setting, this tree against earlier
+revisions, in alternating processes: on a shared machine whose speed drifts by tens of percent
 within minutes, only figures taken turn about in the same window compare.
 
-Each round runs one process per (revision, setting): SmolLM2 in bfloat16 on prepacked weights
-(the CLI's default), `full` and SPEED-22 at each length, 32 new tokens. The table gives the
-medians over the rounds. Settings: `auto` (the measured kernel choice), `torch`
-(SPEEDKV_KERNELS=torch) and `onednn-without-amx` (ONEDNN_MAX_CPU_ISA=AVX512_CORE_BF16).
+Each round runs one process per (revision, setting): SmolLM2 on prepacked weights (the CLI's
+default), `full` and SPEED-22 at each length, 32 new tokens. The table gives the medians over
+the rounds. Settings: `auto` (the measured kernel choice, bfloat16), `torch`
+(SPEEDKV_KERNELS=torch), `onednn-without-amx` (ONEDNN_MAX_CPU_ISA=AVX512_CORE_BF16) and
+`float32` (the measured choice on float32 weights: what `--dtype auto` loads on a CPU without
+AVX512-BF16 or AMX).
 
     python benchmarks/kernel_paths_ab.py --before HEAD~3 --rounds 3 --out runs/kernel-paths-ab
+    python benchmarks/kernel_paths_ab.py --before 3f8b57f,HEAD --settings auto,torch,float32
 
-The earlier revision is checked out in a temporary git worktree and imported from there.
+Each earlier revision is checked out in a temporary git worktree and imported from there.
 """
 
 from __future__ import annotations
@@ -28,6 +31,7 @@ SETTINGS = {
     "auto": {},
     "torch": {"SPEEDKV_KERNELS": "torch"},
     "onednn-without-amx": {"ONEDNN_MAX_CPU_ISA": "AVX512_CORE_BF16"},
+    "float32": {"KERNEL_PATHS_DTYPE": "float32"},
 }
 METHODS = {"full": "full", "SPEED-22": "speed:lcut=22,anchors=bos"}
 
@@ -40,7 +44,8 @@ def measure(lengths: list[int]) -> dict:
     from speedkv.prompts.builders import exact_chat_prompt
 
     torch.set_num_threads(2)
-    model = load_model("smollm2-135m", dtype="bfloat16", progress=False)
+    dtype = os.environ.get("KERNEL_PATHS_DTYPE", "bfloat16")
+    model = load_model("smollm2-135m", dtype=dtype, progress=False)
     engine = Engine(model, prepack=True)
     sampling = SamplingParams(max_new_tokens=32, ignore_eos=True)
     figures = {}
@@ -57,7 +62,10 @@ def measure(lengths: list[int]) -> dict:
 def run_one(source: Path, setting: str, lengths: str) -> dict:
     env = {**os.environ, **SETTINGS[setting], "PYTHONPATH": str(source / "src")}
     command = [sys.executable, __file__, "--child", "--lengths", lengths]
-    done = subprocess.run(command, env=env, capture_output=True, text=True, check=True)
+    done = subprocess.run(command, env=env, capture_output=True, text=True)
+    if done.returncode != 0:  # an earlier revision may not run a setting on this machine
+        reason = (done.stderr.strip().splitlines() or [f"exit status {done.returncode}"])[-1]
+        return {"error": reason}
     return json.loads(done.stdout.strip().splitlines()[-1])
 
 
@@ -71,6 +79,11 @@ def table(rows: list[dict], lengths: list[int]) -> str:
     for r in rows:
         groups.setdefault((r["code"], r["setting"]), []).append(r["figures"])
     for (code, setting), runs in groups.items():
+        failed = [f["error"] for f in runs if "error" in f]
+        runs = [f for f in runs if "error" not in f]
+        if not runs:
+            lines.append(f"| {code} | {setting} | 0 | fails: {failed[0][:120]} |")
+            continue
         cells = []
         for k in keys:
             cells.append(f"{statistics.median(f[k]['ttft_s'] for f in runs):.2f}")
@@ -81,7 +94,7 @@ def table(rows: list[dict], lengths: list[int]) -> str:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--before", default="HEAD", help="the earlier revision (git)")
+    parser.add_argument("--before", default="HEAD", help="earlier revisions (git), comma-separated")
     parser.add_argument("--settings", default=",".join(SETTINGS))
     parser.add_argument("--lengths", default="2048,8128")
     parser.add_argument("--rounds", type=int, default=3)
@@ -94,25 +107,30 @@ def main() -> None:
         return
     args.out.mkdir(parents=True, exist_ok=True)
     rows: list[dict] = []
+    revisions = args.before.split(",")
     with tempfile.TemporaryDirectory() as folder:
-        before = Path(folder) / "before"
-        subprocess.run(["git", "-C", str(ROOT), "worktree", "add", "--detach", str(before),
-                        args.before], check=True, capture_output=True)  # fmt: skip
+        trees = [Path(folder) / f"before-{i}" for i in range(len(revisions))]
+        for tree, revision in zip(trees, revisions):
+            subprocess.run(["git", "-C", str(ROOT), "worktree", "add", "--detach", str(tree),
+                            revision], check=True, capture_output=True)  # fmt: skip
+        codes = [(f"before ({r})", tree) for r, tree in zip(revisions, trees)]
         try:
             for round_ in range(args.rounds):
                 for setting in args.settings.split(","):
-                    for code, source in ((f"before ({args.before})", before), ("this tree", ROOT)):
+                    for code, source in [*codes, ("this tree", ROOT)]:
                         figures = run_one(source, setting, args.lengths)
                         rows.append({"round": round_, "code": code, "setting": setting,
                                      "figures": figures})  # fmt: skip
+                        said = figures.get("error") or ", ".join(
+                            f"{k} {v['ttft_s']:.2f} s / {v['tpot_ms']:.1f} ms"
+                            for k, v in figures.items())  # fmt: skip
                         print(f"[kernel-paths-ab] round {round_ + 1}/{args.rounds} {setting} "
-                              f"{code}: " + ", ".join(
-                                  f"{k} {v['ttft_s']:.2f} s / {v['tpot_ms']:.1f} ms"
-                                  for k, v in figures.items()), flush=True)  # fmt: skip
+                              f"{code}: {said}", flush=True)  # fmt: skip
                         (args.out / "results.json").write_text(json.dumps(rows, indent=1))
         finally:
-            subprocess.run(["git", "-C", str(ROOT), "worktree", "remove", "--force",
-                            str(before)], check=False)  # fmt: skip
+            for tree in trees:
+                subprocess.run(["git", "-C", str(ROOT), "worktree", "remove", "--force",
+                                str(tree)], check=False)  # fmt: skip
     text = table(rows, lengths)
     (args.out / "table.md").write_text(text + "\n")
     print(text)

@@ -3,9 +3,10 @@ kernel tests (each kernel against torch's, within its bounds) in a process force
 alternative a CPU may take. torch's kernels only (`SPEEDKV_KERNELS=torch`); every native
 kernel whatever the measured choice (`native`); oneDNN without AMX
 (`ONEDNN_MAX_CPU_ISA=AVX512_CORE_BF16`); ATen without AVX512 (`ATEN_CPU_CAPABILITY=avx2`);
-native kernels built without AMX, so prefill attention runs its AVX512-BF16 products; and
-native kernels built without AVX512-BF16, so prefill attention and the decode linear layer go
-to torch's and oneDNN's."""
+native kernels built without AMX, so prefill attention runs its AVX512-BF16 products;
+native kernels built without AVX512-BF16, so prefill attention goes to torch's and the decode
+linear layer runs its AVX2 products; and native kernels built with AVX2 alone (no AVX512 at
+all), as on AMD before Zen 4."""
 
 from __future__ import annotations
 
@@ -32,8 +33,9 @@ PATHS = {
     "aten-without-avx512": {"ATEN_CPU_CAPABILITY": "avx2"},
     "native-without-amx": {native.ARCH: "-march=native -mno-amx-tile -mno-amx-bf16"},
     "native-without-avx512-bf16": {native.ARCH: "-march=native -mno-avx512bf16"},
+    "native-avx2-only": {native.ARCH: "-march=native -mno-avx512f"},
 }
-X86_FLAGS = ("native-without-amx", "native-without-avx512-bf16")
+X86_FLAGS = ("native-without-amx", "native-without-avx512-bf16", "native-avx2-only")
 
 
 @pytest.mark.parametrize("path", list(PATHS))
@@ -42,6 +44,8 @@ def test_the_reference_holds_on_every_kernel_path(path):
         pytest.skip("an x86 flag")
     if path == "native-without-amx" and not compiler_targets("__AMX_TILE__"):
         pytest.skip("the native kernels here are built without AMX already")
+    if path == "native-avx2-only" and not compiler_targets("__AVX512F__"):
+        pytest.skip("the native kernels here are built with AVX2 alone already")
     env = {**os.environ, **PATHS[path]}
     command = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-x", *TESTS]
     done = subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True,

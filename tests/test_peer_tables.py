@@ -70,3 +70,16 @@ def test_the_table_shows_every_engine_the_limit_and_the_rates(peers):
     assert "| OpenVINO GenAI 2026.4.1 bf16 | `full` | 0.50 | 12.0 | 1/1 |" in text
     assert f"| *{peers.LIMIT}* | `full` | 0.25 | 4.0 |" in text
     assert "| speedkv prepacked | 32.0 | 13.3 |" in text  # 8 * 4 / (3 - 2), 8 * 5 / 3
+
+
+def test_kernel_paths_table_takes_medians_and_names_a_revision_that_fails():
+    """benchmarks/kernel_paths_ab.py: medians over rounds per (revision, setting); a revision
+    that cannot run a setting on this machine gets a row that says why, not a crash."""
+    ab = load_benchmark("kernel_paths_ab")
+    figures = [{f"{m} 64": {"ttft_s": t, "tpot_ms": 10 * t} for m in ab.METHODS} for t in (1, 3, 2)]
+    rows = [{"code": "this tree", "setting": "auto", "figures": f} for f in figures] + [
+        {"code": "before (abc)", "setting": "auto", "figures": {"error": "RuntimeError: no bf16"}}
+    ]
+    text = ab.table(rows, [64])
+    assert "| this tree | auto | 3 | 2.00 | 20.0 | 2.00 | 20.0 |" in text
+    assert "| before (abc) | auto | 0 | fails: RuntimeError: no bf16 |" in text

@@ -274,3 +274,30 @@ def test_tiles_take_larger_decode_batches_only_where_chosen_and_the_native_layou
     ):
         assert not other.tiles_for_batches
     assert "tile_linear" in KernelChoice.torch_only().hidden_operators()
+
+
+def test_auto_dtype_is_bfloat16_where_the_cpu_or_the_native_decode_kernel_takes_it(monkeypatch):
+    """`--dtype auto` on a CPU: bfloat16 with AMX or AVX512-BF16, and with AVX2 and FMA where
+    speedkv's decode kernel can be built (a compiler, native kernels not switched off); on
+    torch's kernels alone bfloat16 decodes slower than float32 there, so float32."""
+    from speedkv.hf import loading
+
+    cpu = torch.device("cpu")
+    monkeypatch.delenv(native.SWITCH, raising=False)
+    monkeypatch.setattr(loading.shutil, "which", lambda name: "/usr/bin/c++")
+    for flags, expected in [
+        ({"avx2", "fma"}, torch.bfloat16),
+        ({"avx2", "fma", "avx512_bf16"}, torch.bfloat16),
+        ({"amx_bf16"}, torch.bfloat16),
+        ({"avx2"}, torch.float32),  # no FMA: the kernel's AVX2 form is not built
+        ({"neon", "asimd"}, torch.float32),
+    ]:
+        monkeypatch.setattr(loading, "_cpu_flags", lambda flags=flags: flags)
+        assert loading.resolve_dtype("auto", cpu) == expected, flags
+    monkeypatch.setattr(loading, "_cpu_flags", lambda: {"avx2", "fma"})
+    monkeypatch.setenv(native.SWITCH, "torch")
+    assert loading.resolve_dtype("auto", cpu) == torch.float32
+    monkeypatch.delenv(native.SWITCH)
+    monkeypatch.setattr(loading.shutil, "which", lambda name: None)  # no compiler
+    assert loading.resolve_dtype("auto", cpu) == torch.float32
+    assert loading.resolve_dtype("bfloat16", cpu) == torch.bfloat16  # asked for: as asked

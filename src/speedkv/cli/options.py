@@ -202,7 +202,7 @@ Prepack = Annotated[
     typer.Option(
         "--prepack/--no-prepack",
         help="Decode with a copy of the linear weights packed for one-row products (CPU): "
-        "speedkv's kernel for bfloat16 and int8 weights where the CPU has AVX512-BF16, "
+        "speedkv's kernel for bfloat16 and int8 weights where the CPU has AVX512-BF16 or AVX2, "
         "oneDNN's layout for other float32 or bfloat16 weights; faster decode for a second "
         "copy of those weights in memory (docs/engine.md).",
     ),

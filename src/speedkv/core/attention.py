@@ -73,26 +73,42 @@ def batch_decode_attention(
 
     q: [B, Hq, 1, D]; keys[b], values[b]: [Hkv, n_b, D], any lengths, rows contiguous (views
     into a cache buffer are fine). Returns [B, Hq, 1, D].
+
+    Sequences whose caches the native kernel takes run on it, one call per KV-head count;
+    the others on torch's kernels. So a sequence's result does not depend on what shares its
+    batch: a method with a cache per query head beside one with a shared cache still leaves
+    the latter on the kernel it would have alone.
     """
     ops = engine_kernels() if q.device.type == "cpu" else None
-    if _native_fits(q, keys, values, ops):
-        batch, heads, _, dim = q.shape
+    batch, heads, _, dim = q.shape
+    native_groups: dict[int, list[int]] = {}
+    if native_decode_takes(ops, q.dtype, dim):
+        for b, (k, v) in enumerate(zip(keys, values)):
+            if _native_fits(q, k, v):
+                native_groups.setdefault(k.shape[0], []).append(b)
+    if len(native_groups) == 1 and len(next(iter(native_groups.values()))) == batch:
         flat = q.reshape(batch, heads, dim).contiguous()
         return ops.decode_attention(flat, keys, values, dim**-0.5).view(q.shape)
-    outs = [decode_attention(q[b], k, v) for b, (k, v) in enumerate(zip(keys, values))]
-    return outs[0][None] if len(outs) == 1 else torch.stack(outs)
+    out = torch.empty_like(q)
+    on_native = set()
+    for members in native_groups.values():
+        flat = q[members].reshape(len(members), heads, dim).contiguous()
+        group_keys, group_values = [keys[b] for b in members], [values[b] for b in members]
+        found = ops.decode_attention(flat, group_keys, group_values, dim**-0.5)
+        out[members] = found.view(len(members), heads, 1, dim)
+        on_native.update(members)
+    for b in range(batch):
+        if b not in on_native:
+            out[b] = decode_attention(q[b], keys[b], values[b])
+    return out
 
 
-def _native_fits(q: torch.Tensor, keys: list[torch.Tensor], values: list[torch.Tensor],
-                 ops) -> bool:  # fmt: skip
-    """Whether the native kernel takes this batch: one KV-head count for all, values laid out
-    as their keys, cache rows contiguous, and queries it takes (`native_decode_takes`).
-    Anything else goes to torch's kernels."""
-    heads = keys[0].shape[0]
-    return native_decode_takes(ops, q.dtype, q.shape[-1]) and all(
-        k.shape[0] == heads and k.stride(-1) == 1 and k.dtype == q.dtype
+def _native_fits(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> bool:
+    """Whether the native kernel takes this sequence's cache: values laid out as its keys,
+    rows contiguous, of the queries' dtype."""
+    return (
+        k.stride(-1) == 1 and k.dtype == q.dtype
         and v.shape == k.shape and v.stride() == k.stride() and v.dtype == q.dtype
-        for k, v in zip(keys, values)
     )  # fmt: skip
 
 

@@ -20,8 +20,9 @@ milliseconds.
 Without a compiler, or with `SPEEDKV_KERNELS=torch`, the engine keeps torch's own kernels:
 the same results within rounding, slower. Where both exist, which one runs each kind of work
 is chosen by measuring them on this machine (`core/tuning.py`). CUDA tensors always take
-torch's kernels. The bfloat16 kernels (prefill attention, the decode linear layer) exist only
-where the CPU has AVX512-BF16: elsewhere their libraries build without them.
+torch's kernels. The bfloat16 prefill attention kernel exists only where the CPU has
+AVX512-BF16, the decode linear kernel where it has AVX512-BF16 or AVX2 and FMA: elsewhere
+their libraries build without them.
 """
 
 from __future__ import annotations
@@ -41,7 +42,7 @@ from pathlib import Path
 
 import torch
 
-from speedkv.hf.loading import cache_dir
+from speedkv.hf.loading import KERNELS_SWITCH, cache_dir
 from speedkv.locks import exclusive
 from speedkv.log import log
 
@@ -56,7 +57,7 @@ KERNELS = {
     "tile_linear": ("tile_linear",),
 }
 HEADERS = ("bf16_pairs.h", "amx_tiles.h")
-SWITCH = "SPEEDKV_KERNELS"  # "torch" turns the native kernels off
+SWITCH = KERNELS_SWITCH  # SPEEDKV_KERNELS: "torch" turns the native kernels off
 LOCK_TIMEOUT = "SPEEDKV_KERNEL_LOCK_TIMEOUT"
 BUILD_JOBS = "SPEEDKV_KERNEL_BUILD_JOBS"  # builders at once on a first start; 1 builds in-process
 ARCH = "SPEEDKV_KERNEL_ARCH"  # the target flags, "-march=native" unless set (tests set others)
@@ -196,7 +197,8 @@ def has_prefill_kernel(ops) -> bool:
 
 
 def has_linear_kernel(ops) -> bool:
-    """Whether `ops` has the bfloat16 decode linear kernel (AVX512-BF16 CPUs only)."""
+    """Whether `ops` has the bfloat16 decode linear kernel (CPUs with AVX512-BF16, or AVX2
+    and FMA)."""
     return ops is not None and hasattr(ops, "packed_linear")
 
 

@@ -110,13 +110,16 @@ class KernelChoice:
         if prefill == NATIVE and ops is not None and hasattr(ops, "prefill_attention_unit"):
             prefill += f" (products on {ops.prefill_attention_unit()})"
         one_call = hasattr(ops, "decode_layer") and "decode_layer" not in self.hidden_operators()
+        products = f"{self.prefill_linear} products"
+        if not fused.onednn_bf16():
+            products = "bfloat16 weights in float32 products (this CPU's oneDNN takes none)"
         return [
             f"prefill attention: {prefill}",
             f"decode attention: {self.decode_attention}",
             f"layer small operations: {self.layer_ops}",
             f"decode linear layers: {linear}",
             "decode layers: " + ("one native call each" if one_call else "in parts"),
-            f"prefill linear layers: {self.prefill_linear} products",
+            f"prefill linear layers: {products}",
             *([f"timed on {self.clock}"] if self.clock else []),
         ]
 

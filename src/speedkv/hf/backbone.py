@@ -416,19 +416,16 @@ class Backbone:
         head = linear_tensors(self._lm_head)
         self._packed_head = None
         ops = self.native_ops
-        if (
-            self.prepacked
-            and can_prepack(head, ops)
-            and all(can_prepack_layer(w, ops) for w in layers)
-        ):
-            layers = [prepack_layer(w, ops) for w in layers]  # type: ignore[arg-type]
-            self._packed_head = prepacked(head, ops)  # type: ignore[arg-type]
+        if self.prepacked:  # each weight that can be: where oneDNN takes no bfloat16 (AVX2), a
+            # head of 101 outputs stays plain while the layers decode on speedkv's kernel
+            layers = [prepack_layer(w, ops) if can_prepack_layer(w, ops) else w for w in layers]
+            if can_prepack(head, ops):
+                self._packed_head = prepacked(head, ops)  # type: ignore[arg-type]
         packed = [t for w in layers if w is not None for t in (w.qkv, w.o, w.gate_up, w.down)]
         self._tiles_take_all = bool(packed) and all(tiles_take(t) for t in packed)
         norms = [n for w in layers if w is not None for n in (w.input_norm, w.post_norm)]
         native = (
-            self._packed_head is not None
-            and all(w is not None for w in layers)
+            all(w is not None for w in layers)
             and all(t[0].dim() == 4 for t in packed)  # speedkv's layout, not oneDNN's
             and all(n.dtype == self.dtype for n in norms)
         )

@@ -197,7 +197,7 @@ def _native_packable(tensors: tuple[torch.Tensor | None, ...], ops: NativeOps) -
     model_dtype = weight.dtype if len(tensors) == 2 else tensors[1].dtype
     return (
         ops is not None
-        and hasattr(ops, "pack_linear_weight")  # built only for CPUs with AVX512-BF16
+        and hasattr(ops, "pack_linear_weight")  # built for CPUs with AVX512-BF16 or AVX2
         and weight.device.type == "cpu"
         and weight.dtype == (torch.bfloat16 if len(tensors) == 2 else torch.int8)
         and model_dtype == torch.bfloat16

@@ -175,16 +175,37 @@ def resolve_dtype(dtype: str | torch.dtype, device: torch.device) -> torch.dtype
         raise UserError(f"dtype must be auto, float32 or bfloat16, got '{dtype}'")
     if device.type == "cuda":
         return torch.bfloat16
-    return torch.bfloat16 if cpu_has_bf16_matmul() else torch.float32
+    return torch.bfloat16 if cpu_has_bf16_matmul() or cpu_decodes_bf16_natively() else torch.float32
+
+
+def _cpu_flags() -> set[str]:
+    try:
+        text = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return set()
+    line = next((row for row in text.splitlines() if row.startswith("flags")), "")
+    return set(line.partition(":")[2].split())
 
 
 def cpu_has_bf16_matmul() -> bool:
     """AMX or AVX512-BF16: the CPU instructions that make bf16 matmuls faster than float32."""
-    try:
-        flags = Path("/proc/cpuinfo").read_text()
-    except OSError:
+    return bool({"amx_bf16", "avx512_bf16"} & _cpu_flags())
+
+
+# speedkv's switch for its native kernels (core/native.py's; here for `auto`'s dtype)
+KERNELS_SWITCH = "SPEEDKV_KERNELS"
+
+
+def cpu_decodes_bf16_natively() -> bool:
+    """An x86 CPU with AVX2 and FMA where speedkv's decode kernel can be built (a C++
+    compiler, native kernels not switched off). There bfloat16 weights decode 3x faster than
+    float32 ones (speedkv's kernel reads half the bytes) while a prefill's products run in
+    float32 either way, so `auto` loads bfloat16 (docs/engine.md); on torch's kernels alone
+    bfloat16 would decode slower than float32."""
+    if os.environ.get(KERNELS_SWITCH, "auto").lower() == "torch":
         return False
-    return "amx_bf16" in flags or "avx512_bf16" in flags
+    compiler = shutil.which(os.environ.get("CXX", "c++"))
+    return compiler is not None and {"avx2", "fma"} <= _cpu_flags()
 
 
 def resolve_device(device: str | torch.device = "auto") -> torch.device:
