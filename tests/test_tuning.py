@@ -236,6 +236,11 @@ def test_the_choice_says_where_bfloat16_layers_cannot_use_onednn(monkeypatch, on
     (linear,) = [line for line in KernelChoice.torch_only().lines() if "decode linear" in line]
     assert linear.startswith("decode linear layers: oneDNN for every batch")
     assert ("this CPU's oneDNN takes none" in linear) == (not onednn_bf16)
+    # where speedkv's kernel takes every batch, oneDNN is not named, nor what it cannot take
+    (linear,) = [line for line in KernelChoice().lines() if "decode linear" in line]
+    assert linear == "decode linear layers: native for every batch"
+    (prefill,) = [line for line in KernelChoice().lines() if "prefill linear" in line]
+    assert ("float32 products" in prefill) == (not onednn_bf16)
 
 
 def test_the_choice_says_whether_decode_layers_run_in_one_call():

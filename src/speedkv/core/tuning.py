@@ -103,7 +103,7 @@ class KernelChoice:
             else f"native for batches of up to {rows} rows, "
             + ("AMX tiles on the same copy" if self.tiles_for_batches else "oneDNN") + " above"
         )  # fmt: skip
-        if not fused.onednn_bf16():  # where oneDNN is named, bfloat16 layers cannot use it
+        if not fused.onednn_bf16() and "oneDNN" in linear:  # bfloat16 layers cannot use it
             linear += " (bfloat16 weights on torch's kernels: this CPU's oneDNN takes none)"
         prefill = self.prefill_attention
         ops = native.native_ops()
