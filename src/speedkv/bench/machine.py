@@ -11,27 +11,15 @@ from pathlib import Path
 import torch
 
 from speedkv._openmp import wait_setting
+from speedkv.hf.loading import cpu_info
 
 # the instruction sets the kernels here (torch's, oneDNN's, speedkv's, vLLM's) choose between
 ISA_FLAGS = ("avx2", "avx512f", "avx512_bf16", "avx512_fp16", "amx_bf16", "amx_int8", "amx_tile",
              "asimd", "sve", "bf16", "i8mm")  # fmt: skip
 
 
-def _cpuinfo() -> tuple[dict[str, str], set[str]]:
-    """/proc/cpuinfo's first value of each key (the first CPU's), and its ISA flags (x86's
-    `flags`, arm64's `Features`); empty where there is none."""
-    facts: dict[str, str] = {}
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            key, _, value = (part.strip() for part in line.partition(":"))
-            facts.setdefault(key, value)
-    except OSError:
-        pass
-    return facts, set((facts.get("flags") or facts.get("Features") or "").split())
-
-
 def machine_facts() -> dict:
-    facts, flags = _cpuinfo()
+    facts, flags = cpu_info()
     cpu = facts.get("model name") or platform.processor() or "unknown"
     vendor = facts.get("vendor_id") or facts.get("CPU implementer") or "unknown"
     memory_kib = 0
@@ -66,7 +54,7 @@ def machine_facts() -> dict:
 def machine_label() -> str:
     """One line that tells this CPU from the others a long sweep may run on: its model, family
     and model numbers (AMD's names repeat across generations) and the ISA flags that matter."""
-    facts, flags = _cpuinfo()
+    facts, flags = cpu_info()
     name = facts.get("model name") or platform.processor() or platform.machine() or "unknown"
     ids = ", ".join(f"{k} {facts[k]}" for k in ("cpu family", "model", "CPU part") if k in facts)
     isa = " ".join(f for f in ISA_FLAGS if f in flags) or "no listed ISA flags"

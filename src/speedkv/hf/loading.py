@@ -178,13 +178,21 @@ def resolve_dtype(dtype: str | torch.dtype, device: torch.device) -> torch.dtype
     return torch.bfloat16 if cpu_has_bf16_matmul() or cpu_decodes_bf16_natively() else torch.float32
 
 
-def _cpu_flags() -> set[str]:
+def cpu_info() -> tuple[dict[str, str], set[str]]:
+    """/proc/cpuinfo's first value of each key (the first CPU's), and its ISA flags (x86's
+    `flags`, arm64's `Features`); empty where there is none."""
+    facts: dict[str, str] = {}
     try:
-        text = Path("/proc/cpuinfo").read_text()
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            key, _, value = (part.strip() for part in line.partition(":"))
+            facts.setdefault(key, value)
     except OSError:
-        return set()
-    line = next((row for row in text.splitlines() if row.startswith("flags")), "")
-    return set(line.partition(":")[2].split())
+        pass
+    return facts, set((facts.get("flags") or facts.get("Features") or "").split())
+
+
+def _cpu_flags() -> set[str]:
+    return cpu_info()[1]
 
 
 def cpu_has_bf16_matmul() -> bool:
