@@ -39,6 +39,8 @@ from speedkv.hf.int8 import Int8Linear
 
 LAYER_SHAPES = [(960, 576), (576, 576), (3072, 576), (576, 1536)]  # [out, in]
 HEAD_SHAPE = (49152, 576)
+# bytes each kernel reads per bfloat16 weight byte
+BYTES_READ = {"float32": 2, "native-int8": 0.5, "torch-int8": 0.5}
 
 
 def _as_linear(weight: torch.Tensor) -> torch.nn.Linear:
@@ -107,13 +109,7 @@ def main() -> None:
                 times[kernel].append(time.perf_counter() - start)
         for kernel in kernels:
             seconds = statistics.median(times[kernel])
-            read = (
-                total / 2
-                if kernel.endswith("int8")
-                else 2 * total
-                if kernel == "float32"
-                else total
-            )
+            read = total * BYTES_READ.get(kernel, 1)
             print(f"| {batch} | {kernel} | {seconds * 1e3:.2f} | {read / seconds / 1e9:.1f} |")
 
 

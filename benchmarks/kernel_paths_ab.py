@@ -64,8 +64,9 @@ def run_one(source: Path, setting: str, lengths: str) -> dict:
     command = [sys.executable, __file__, "--child", "--lengths", lengths]
     done = subprocess.run(command, env=env, capture_output=True, text=True)
     if done.returncode != 0:  # an earlier revision may not run a setting on this machine
-        reason = (done.stderr.strip().splitlines() or [f"exit status {done.returncode}"])[-1]
-        return {"error": reason}
+        from speedkv.errors import last_said  # not at the top: children import older trees
+
+        return {"error": last_said(done.stderr, done.returncode)}
     return json.loads(done.stdout.strip().splitlines()[-1])
 
 

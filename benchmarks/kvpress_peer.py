@@ -698,8 +698,9 @@ def kvpress_versions(python: str) -> dict:
         [python, SCRIPT, "--versions"], capture_output=True, text=True, check=False
     )
     if done.returncode != 0:
-        lines = [line for line in done.stderr.splitlines() if line.strip()]
-        reason = lines[-1] if lines else f"exit code {done.returncode}"
+        from speedkv.errors import last_said
+
+        reason = last_said(done.stderr, done.returncode)
         sys.exit(f"{python} cannot run kvpress ({reason}): rebuild it with `make kvpress-venv`")
     return json.loads(done.stdout)
 

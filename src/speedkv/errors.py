@@ -5,6 +5,12 @@ answers HTTP 400. Anything else escaping is a bug and keeps its traceback.
 """
 
 
+def last_said(stderr: str, returncode: int | None) -> str:
+    """Why a process failed: the last line it wrote to stderr, or its exit code."""
+    lines = [line for line in stderr.splitlines() if line.strip()]
+    return lines[-1] if lines else f"exit code {returncode}"
+
+
 class UserError(ValueError):
     """A mistake in what the user asked for; the message says what is wrong and what is allowed."""
 

@@ -43,7 +43,7 @@ from functools import cache
 from importlib import metadata, resources
 from pathlib import Path
 
-from speedkv.errors import UserError
+from speedkv.errors import UserError, last_said
 from speedkv.hf.loading import cache_dir, save_tokenizer, tokenizer_fingerprint
 from speedkv.hf.text import (
     EncodedPrompt,
@@ -351,12 +351,6 @@ def generated_file(task: str, length: int, job: dict, result: dict) -> Path:
         reason = last_said(text, result["returncode"])
         raise UserError(f"RULER could not generate {spec.name} at length {length}: {reason}")
     return made
-
-
-def last_said(stderr: str, returncode: int | None) -> str:
-    """Why a process failed: the last line it wrote to stderr, or its exit code."""
-    lines = [line for line in stderr.splitlines() if line.strip()]
-    return lines[-1] if lines else f"exit code {returncode}"
 
 
 def punkt_data(root: Path) -> Path:
