@@ -3,10 +3,15 @@
 from __future__ import annotations
 
 import importlib.util
+import socket
+import subprocess
 import sys
+import time
+import urllib.request
 from pathlib import Path
 from types import ModuleType
 
+import pytest
 import torch
 
 from speedkv.core.engine import Engine
@@ -156,3 +161,49 @@ def header_only_gguf(path: Path, architecture: str) -> Path:
     writer.write_tensors_to_file()
     writer.close()
     return path
+
+
+def free_port() -> int:
+    """A TCP port on 127.0.0.1 that nobody listens on now."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def wait_until_healthy(process, url: str, timeout_s: float = 600.0) -> None:
+    """Poll `url`/health until the server answers 200; fail with its log if it exits first.
+
+    A vLLM server's start (model load, warm-up) takes minutes on a busy 2-core machine, so the
+    wait is a deadline, not a count of tries. `process.stderr` is a file, never a pipe: a server
+    that logs more than a pipe holds would block on it and never come up."""
+
+    def log() -> str:
+        if process.stderr is None or process.stderr.closed:
+            return ""
+        process.stderr.seek(0)
+        return process.stderr.read()[-3000:]
+
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if process.poll() is not None:
+            pytest.fail(f"the server exited with code {process.returncode}:\n{log()}")
+        try:
+            with urllib.request.urlopen(f"{url}/health", timeout=2) as answer:
+                if answer.status == 200:
+                    return
+        except OSError:
+            pass
+        time.sleep(0.5)
+    stop_server(process)
+    pytest.fail(f"the server did not come up within {timeout_s:.0f} s:\n{log()}")
+
+
+def stop_server(process, grace_s: float = 60.0) -> None:
+    """Terminate, and kill what does not stop within `grace_s`."""
+    if process.poll() is None:
+        process.terminate()
+        try:
+            process.wait(timeout=grace_s)
+        except subprocess.TimeoutExpired:
+            process.kill()
+            process.wait()

@@ -9,15 +9,16 @@ import json
 import os
 import re
 import shlex
-import socket
 import subprocess
 import sys
-import time
+import tempfile
 import urllib.request
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
+
+from helpers import free_port, stop_server, wait_until_healthy
 
 ROOT = Path(__file__).resolve().parent.parent
 README = (ROOT / "README.md").read_text()
@@ -85,45 +86,31 @@ def run(args: list[str], cwd: Path, threads: int | None = None) -> subprocess.Co
     return done
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def serve_and_ask(args: list[str], cwd: Path) -> dict:
     """Start the server as written (on a free port), ask it one chat question, stop it."""
     port = free_port()
-    server = subprocess.Popen(
-        [SPEEDKV, *args, "--port", str(port)], cwd=cwd, stderr=subprocess.PIPE, text=True
-    )
-    try:
-        for _ in range(240):
-            try:
-                urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=2)
-                break
-            except OSError:
-                assert server.poll() is None, server.stderr.read()
-                time.sleep(0.5)
-        with urllib.request.urlopen(f"http://127.0.0.1:{port}/v1/models", timeout=10) as models:
-            served = json.loads(models.read())["data"][0]["id"]
-        body = json.dumps(
-            {
-                "model": served,
-                "messages": [{"role": "user", "content": "Name a river."}],
-                "max_tokens": 4,
-            }
-        ).encode()
-        request = urllib.request.Request(
-            f"http://127.0.0.1:{port}/v1/chat/completions",
-            body,
-            {"Content-Type": "application/json"},
-        )
-        with urllib.request.urlopen(request, timeout=120) as answer:
-            return json.loads(answer.read())
-    finally:
-        server.terminate()
-        server.wait(timeout=30)
+    url = f"http://127.0.0.1:{port}"
+    with tempfile.TemporaryFile("w+") as log:
+        server = subprocess.Popen([SPEEDKV, *args, "--port", str(port)], cwd=cwd,
+                                  stdout=subprocess.DEVNULL, stderr=log, text=True)  # fmt: skip
+        try:
+            wait_until_healthy(server, url)
+            with urllib.request.urlopen(f"{url}/v1/models", timeout=10) as models:
+                served = json.loads(models.read())["data"][0]["id"]
+            body = json.dumps(
+                {
+                    "model": served,
+                    "messages": [{"role": "user", "content": "Name a river."}],
+                    "max_tokens": 4,
+                }
+            ).encode()
+            request = urllib.request.Request(
+                f"{url}/v1/chat/completions", body, {"Content-Type": "application/json"}
+            )
+            with urllib.request.urlopen(request, timeout=300) as answer:
+                return json.loads(answer.read())
+        finally:
+            stop_server(server)
 
 
 def test_readme_lists_the_commands_it_shows():

@@ -2,7 +2,15 @@
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
+import sysconfig
+from pathlib import Path
+
 from helpers import load_script
+
+ROOT = Path(__file__).resolve().parent.parent
 
 installer = load_script("tools", "venv_install")
 
@@ -40,3 +48,22 @@ def test_uv_gets_pips_sources_constraints_and_ca_file():
 
 def test_no_pip_configuration_means_uvs_defaults():
     assert installer.uv_sources(installer.parse_pip_config("")) == ([], {})
+
+
+def test_bytecode_compiles_every_module_of_the_environment_and_passes_over_bad_ones(tmp_path):
+    """`--bytecode` leaves a .pyc beside each module of VENV's site-packages, even where
+    PYTHONDONTWRITEBYTECODE is set, and a file in another Python's syntax stops nothing."""
+    venv = tmp_path / "venv"
+    subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(venv)], check=True)
+    relative = Path(sysconfig.get_paths()["purelib"]).relative_to(sysconfig.get_paths()["data"])
+    package = venv / relative / "somepackage"
+    package.mkdir(parents=True)
+    (package / "__init__.py").write_text("VALUE = 1\n")
+    (package / "newer_syntax.py").write_text("def f[T](a):\n    return a\n")  # 3.12's generics
+    (package / "ok.py").write_text("import somepackage\n")
+    env = {**os.environ, "PYTHONDONTWRITEBYTECODE": "1"}
+    done = subprocess.run([sys.executable, str(ROOT / "tools" / "venv_install.py"), "--bytecode",
+                           str(venv)], env=env, capture_output=True, text=True)  # fmt: skip
+    assert done.returncode == 0, done.stderr
+    compiled = {path.name.split(".")[0] for path in (package / "__pycache__").glob("*.pyc")}
+    assert compiled == {"__init__", "ok"}

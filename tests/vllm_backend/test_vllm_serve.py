@@ -5,27 +5,20 @@ from __future__ import annotations
 
 import asyncio
 import os
-import socket
 import subprocess
 import sys
-import time
+import tempfile
 from pathlib import Path
 
 import httpx
 import openai
 import pytest
 
-from helpers import load_benchmark
+from helpers import free_port, load_benchmark, stop_server, wait_until_healthy
 
 ROOT = Path(__file__).resolve().parents[2]
 ADAPTER = ROOT / "adapters" / "smollm2-135m-speed22-bos"
 MODEL = "smollm2-135m"
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @pytest.fixture(scope="module")
@@ -41,27 +34,15 @@ def server():
     ]  # fmt: skip
     env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1"}
     env.pop("VLLM_ENABLE_V1_MULTIPROCESSING", None)  # the server as users run it
-    process = subprocess.Popen(command, env=env, stdout=subprocess.DEVNULL,
-                               stderr=subprocess.PIPE, text=True)  # fmt: skip
     base = f"http://127.0.0.1:{port}"
-    deadline = time.time() + 600
-    while time.time() < deadline:
-        if process.poll() is not None:
-            pytest.fail("the server exited: " + process.stderr.read()[-3000:])
+    with tempfile.TemporaryFile("w+") as log:
+        process = subprocess.Popen(command, env=env, stdout=subprocess.DEVNULL, stderr=log,
+                                   text=True)  # fmt: skip
         try:
-            if httpx.get(base + "/health", timeout=2).status_code == 200:
-                break
-        except httpx.HTTPError:
-            time.sleep(2)
-    else:
-        process.kill()
-        pytest.fail("the server did not come up within 10 minutes")
-    yield base
-    process.terminate()
-    try:
-        process.wait(timeout=60)
-    except subprocess.TimeoutExpired:
-        process.kill()
+            wait_until_healthy(process, base)
+            yield base
+        finally:
+            stop_server(process)
 
 
 def client(base: str) -> openai.OpenAI:

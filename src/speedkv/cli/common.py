@@ -148,7 +148,13 @@ def vllm_model(model: str, method: str, adapter: Path | None) -> Path:
 
 
 def vllm_dtype(dtype: str) -> str:
-    """speedkv's dtype choice as vLLM's: auto resolves the way speedkv's does."""
-    from speedkv.hf.loading import dtype_name, resolve_device, resolve_dtype
+    """speedkv's dtype choice as vLLM's. On a CPU, `auto` is bfloat16 only where the CPU has
+    bf16 matrix instructions (AMX, AVX512-BF16): speedkv's AVX2 decode kernel, which makes
+    bfloat16 pay on other x86 CPUs, is not vLLM's, and vLLM-CPU's own bfloat16 products there
+    are a plain loop (a 2K prompt took minutes on an AVX2-only EPYC)."""
+    from speedkv.hf.loading import cpu_has_bf16_matmul, dtype_name, resolve_device, resolve_dtype
 
-    return dtype_name(resolve_dtype(dtype, resolve_device("auto")))
+    device = resolve_device("auto")
+    if dtype == "auto" and device.type == "cpu":
+        return "bfloat16" if cpu_has_bf16_matmul() else "float32"
+    return dtype_name(resolve_dtype(dtype, device))
