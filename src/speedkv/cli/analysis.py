@@ -9,7 +9,7 @@ from typing import TYPE_CHECKING, Annotated
 
 import typer
 
-from speedkv.cli.common import load, read_prompt_lines, set_threads
+from speedkv.cli.common import dtype_without_native_decode, load, read_prompt_lines, set_threads
 from speedkv.cli.options import (
     Adapter,
     AsJson,
@@ -233,7 +233,8 @@ def choose_lcut_command(
     earlier = [read_sweep(path) for path in plot_with or []]
     deep = DEFAULT_DEEP if deep is None else deep
     set_threads(threads)
-    loaded = load(model, dtype, device)
+    # the sweep runs transformers' own layers over every position, not speedkv's kernels
+    loaded = load(model, dtype_without_native_decode(dtype, device), device)
     for path, other in zip(plot_with or [], earlier):
         if other.get("model") != loaded.name:
             raise UserError(f"{path} is a sweep of {other.get('model')}, not of {loaded.name}")

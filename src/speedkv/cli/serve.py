@@ -8,7 +8,7 @@ from typing import Annotated
 
 import typer
 
-from speedkv.cli.common import bind, load, set_threads, vllm_dtype, vllm_model
+from speedkv.cli.common import bind, dtype_without_native_decode, load, set_threads, vllm_model
 from speedkv.cli.options import (
     Adapter,
     Backend,
@@ -179,8 +179,8 @@ def serve_on_vllm(
     from speedkv.vllm.serve import check_serve_command, serve_command
 
     directory = vllm_model(model, method.text, adapter)
-    argv = serve_command(directory, method.text, model, vllm_dtype(dtype), host, port, api_key,
-                         extra)  # fmt: skip
+    dtype = dtype_without_native_decode(dtype)
+    argv = serve_command(directory, method.text, model, dtype, host, port, api_key, extra)
     cpu_kv_space(4)  # room for many requests; VLLM_CPU_KVCACHE_SPACE overrides it
     check_serve_command(argv)  # what SPEED cannot run is refused here, not in vLLM's server
     _log(f"serving '{model}' with {method.text} on vLLM: {' '.join(argv[1:])}")

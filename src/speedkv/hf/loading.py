@@ -159,8 +159,13 @@ def cache_usage() -> tuple[Path, int]:
     return root, used
 
 
-def resolve_dtype(dtype: str | torch.dtype, device: torch.device) -> torch.dtype:
-    """'auto' is bfloat16 on GPUs and on CPUs with bf16 matrix instructions, else float32."""
+def resolve_dtype(
+    dtype: str | torch.dtype, device: torch.device, native_decode: bool = True
+) -> torch.dtype:
+    """'auto' is bfloat16 on GPUs, on CPUs with bf16 matrix instructions and, when the work's
+    products run on speedkv's decode kernel (`native_decode`), on CPUs that build it; else
+    float32. Work done by other code (vLLM, transformers' own layers) passes False: without
+    bf16 instructions their bfloat16 products are a plain loop."""
     if isinstance(dtype, torch.dtype):
         return dtype
     table = {
@@ -175,7 +180,8 @@ def resolve_dtype(dtype: str | torch.dtype, device: torch.device) -> torch.dtype
         raise UserError(f"dtype must be auto, float32 or bfloat16, got '{dtype}'")
     if device.type == "cuda":
         return torch.bfloat16
-    return torch.bfloat16 if cpu_has_bf16_matmul() or cpu_decodes_bf16_natively() else torch.float32
+    natively = native_decode and cpu_decodes_bf16_natively()
+    return torch.bfloat16 if cpu_has_bf16_matmul() or natively else torch.float32
 
 
 def cpu_info() -> tuple[dict[str, str], set[str]]:
