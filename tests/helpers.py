@@ -170,23 +170,24 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def wait_until_healthy(process, url: str, timeout_s: float = 600.0) -> None:
-    """Poll `url`/health until the server answers 200; fail with its log if it exits first.
+def wait_until_healthy(process, url: str, log=None, timeout_s: float = 600.0) -> None:
+    """Poll `url`/health until the server answers 200; fail with the end of its `log` (the
+    file its stderr goes to) if it exits first or never answers.
 
     A vLLM server's start (model load, warm-up) takes minutes on a busy 2-core machine, so the
-    wait is a deadline, not a count of tries. `process.stderr` is a file, never a pipe: a server
-    that logs more than a pipe holds would block on it and never come up."""
+    wait is a deadline, not a count of tries. The log is a file, never a pipe: a server that
+    logs more than a pipe holds would block on it and never come up."""
 
-    def log() -> str:
-        if process.stderr is None or process.stderr.closed:
+    def tail() -> str:
+        if log is None:
             return ""
-        process.stderr.seek(0)
-        return process.stderr.read()[-3000:]
+        log.seek(0)
+        return log.read()[-3000:]
 
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
         if process.poll() is not None:
-            pytest.fail(f"the server exited with code {process.returncode}:\n{log()}")
+            pytest.fail(f"the server exited with code {process.returncode}:\n{tail()}")
         try:
             with urllib.request.urlopen(f"{url}/health", timeout=2) as answer:
                 if answer.status == 200:
@@ -195,7 +196,7 @@ def wait_until_healthy(process, url: str, timeout_s: float = 600.0) -> None:
             pass
         time.sleep(0.5)
     stop_server(process)
-    pytest.fail(f"the server did not come up within {timeout_s:.0f} s:\n{log()}")
+    pytest.fail(f"the server did not come up within {timeout_s:.0f} s:\n{tail()}")
 
 
 def stop_server(process, grace_s: float = 60.0) -> None:

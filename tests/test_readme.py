@@ -94,7 +94,7 @@ def serve_and_ask(args: list[str], cwd: Path) -> dict:
         server = subprocess.Popen([SPEEDKV, *args, "--port", str(port)], cwd=cwd,
                                   stdout=subprocess.DEVNULL, stderr=log, text=True)  # fmt: skip
         try:
-            wait_until_healthy(server, url)
+            wait_until_healthy(server, url, log)
             with urllib.request.urlopen(f"{url}/v1/models", timeout=10) as models:
                 served = json.loads(models.read())["data"][0]["id"]
             body = json.dumps(

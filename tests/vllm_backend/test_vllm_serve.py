@@ -39,7 +39,7 @@ def server():
         process = subprocess.Popen(command, env=env, stdout=subprocess.DEVNULL, stderr=log,
                                    text=True)  # fmt: skip
         try:
-            wait_until_healthy(process, base)
+            wait_until_healthy(process, base, log)
             yield base
         finally:
             stop_server(process)
