@@ -250,6 +250,10 @@ def test_render_rewrites_the_records_of_peer_parts_behind_their_answers(tmp_path
         if part is not ours:
             (part / "kvpress-results.jsonl").write_text("")
     os.utime(stale / "records.jsonl", (0, 0))  # older than its answers
+    # newer than its answers: said outright, since the two files were written a clock tick apart
+    # or within one, as it happened
+    later = (fresh / "kvpress-results.jsonl").stat().st_mtime + 60
+    os.utime(fresh / "records.jsonl", (later, later))
     (work / "kvpress-1of2").mkdir()  # no answers yet: nothing to write
     ran = []
     monkeypatch.setattr(subprocess, "run", lambda command, **_: ran.append(command)
