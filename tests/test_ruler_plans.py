@@ -250,8 +250,8 @@ def test_render_rewrites_the_records_of_peer_parts_behind_their_answers(tmp_path
         if part is not ours:
             (part / "kvpress-results.jsonl").write_text("")
     os.utime(stale / "records.jsonl", (0, 0))  # older than its answers
-    # newer than its answers: said outright, since the two files were written a clock tick apart
-    # or within one, as it happened
+    # newer than its answers, set outright: written one after the other, the two files' times
+    # fall in one clock tick or in two, as it happens
     later = (fresh / "kvpress-results.jsonl").stat().st_mtime + 60
     os.utime(fresh / "records.jsonl", (later, later))
     (work / "kvpress-1of2").mkdir()  # no answers yet: nothing to write
