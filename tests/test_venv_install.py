@@ -2,15 +2,17 @@
 
 from __future__ import annotations
 
-import os
+import base64
+import hashlib
 import subprocess
 import sys
 import sysconfig
+import zipfile
 from pathlib import Path
 
-from helpers import load_script
+import pytest
 
-ROOT = Path(__file__).resolve().parent.parent
+from helpers import load_script
 
 installer = load_script("tools", "venv_install")
 
@@ -50,20 +52,42 @@ def test_no_pip_configuration_means_uvs_defaults():
     assert installer.uv_sources(installer.parse_pip_config("")) == ([], {})
 
 
-def test_bytecode_compiles_every_module_of_the_environment_and_passes_over_bad_ones(tmp_path):
-    """`--bytecode` leaves a .pyc beside each module of VENV's site-packages, even where
-    PYTHONDONTWRITEBYTECODE is set, and a file in another Python's syntax stops nothing."""
+def wheel_of(folder: Path, files: dict[str, str]) -> Path:
+    """A pure-Python wheel holding `files` (path inside the wheel: text), built by hand."""
+    name = "somepackage-1.0"
+    info = {
+        f"{name}.dist-info/METADATA": "Metadata-Version: 2.1\nName: somepackage\nVersion: 1.0\n",
+        f"{name}.dist-info/WHEEL": "Wheel-Version: 1.0\nGenerator: hand\nRoot-Is-Purelib: true\n"
+        "Tag: py3-none-any\n",
+    }
+    record = []
+    wheel = folder / f"{name}-py3-none-any.whl"
+    with zipfile.ZipFile(wheel, "w") as archive:
+        for path, text in {**files, **info}.items():
+            data = text.encode()
+            digest = base64.urlsafe_b64encode(hashlib.sha256(data).digest()).rstrip(b"=").decode()
+            record.append(f"{path},sha256={digest},{len(data)}")
+            archive.writestr(path, data)
+        record.append(f"{name}.dist-info/RECORD,,")
+        archive.writestr(f"{name}.dist-info/RECORD", "\n".join(record) + "\n")
+    return wheel
+
+
+def test_uv_installs_bytecode_even_where_python_would_write_none(tmp_path, monkeypatch):
+    """What uv installs comes with its .pyc files, as pip's does, where PYTHONDONTWRITEBYTECODE
+    is set; a module in a newer Python's syntax does not stop the install."""
+    uv = Path(sys.executable).parent / "uv"
+    if not uv.exists():
+        pytest.skip("no uv in this environment")
     venv = tmp_path / "venv"
     subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(venv)], check=True)
+    (venv / "bin" / "uv").symlink_to(uv)
+    wheel = wheel_of(tmp_path, {
+        "somepackage/__init__.py": "VALUE = 1\n",
+        "somepackage/newer_syntax.py": "def f[T](a):\n    return a\n",  # 3.12's generics
+    })  # fmt: skip
+    monkeypatch.setenv("PYTHONDONTWRITEBYTECODE", "1")
+    assert installer.install(venv, ["--no-deps", str(wheel)]) == 0
     relative = Path(sysconfig.get_paths()["purelib"]).relative_to(sysconfig.get_paths()["data"])
-    package = venv / relative / "somepackage"
-    package.mkdir(parents=True)
-    (package / "__init__.py").write_text("VALUE = 1\n")
-    (package / "newer_syntax.py").write_text("def f[T](a):\n    return a\n")  # 3.12's generics
-    (package / "ok.py").write_text("import somepackage\n")
-    env = {**os.environ, "PYTHONDONTWRITEBYTECODE": "1"}
-    done = subprocess.run([sys.executable, str(ROOT / "tools" / "venv_install.py"), "--bytecode",
-                           str(venv)], env=env, capture_output=True, text=True)  # fmt: skip
-    assert done.returncode == 0, done.stderr
-    compiled = {path.name.split(".")[0] for path in (package / "__pycache__").glob("*.pyc")}
-    assert compiled == {"__init__", "ok"}
+    cache = venv / relative / "somepackage" / "__pycache__"
+    assert {path.name.split(".")[0] for path in cache.glob("*.pyc")} == {"__init__"}

@@ -1,7 +1,6 @@
 """Install packages into a virtual environment with uv, or with pip where uv cannot.
 
     python3 tools/venv_install.py VENV [pip install arguments...]
-    python3 tools/venv_install.py --bytecode VENV
 
 uv installs the same versions as pip from the same sources, several times faster (speedkv's
 own environment with empty caches, both in one run: 20 s against pip's 143 s). The Makefile's
@@ -10,11 +9,10 @@ environments go through here. uv reads no pip configuration, so the sources pip 
 handed to it, and several indexes are searched together as pip does. pip installs uv into
 VENV the first time. Where uv cannot be had, or fails, pip runs the same command, and says so.
 
-`--bytecode` compiles every module of VENV's site-packages once (the Makefile does it after its
-installs). uv installs no bytecode, and where PYTHONDONTWRITEBYTECODE is set nothing writes it
-later, so every process would compile torch, transformers and vLLM from source again: on 2 cores
-of a Zen 3 EPYC, `import torch` took 6.5 s without bytecode and 3.5 s with it, vLLM's `LLM` 35 s
-and 15 s.
+uv is asked to compile what it installs to bytecode, as pip does by default. uv's default writes
+none, and where PYTHONDONTWRITEBYTECODE is set nothing writes it later, so every process would
+compile torch, transformers and vLLM from source again: on 2 cores of a Zen 3 EPYC, `import
+torch` took 6.5 s without bytecode and 3.5 s with it, vLLM's `LLM` 35 s and 15 s.
 """
 
 from __future__ import annotations
@@ -91,7 +89,8 @@ def install(venv: Path, arguments: list[str]) -> int:
     uv = ensure_uv(venv)
     if uv is not None:
         options, env = uv_sources(pip_configuration(python))
-        command = [str(uv), "pip", "install", "--quiet", "--python", python, *options, *arguments]
+        command = [str(uv), "pip", "install", "--quiet", "--compile-bytecode", "--python", python,
+                   *options, *arguments]  # fmt: skip
         if subprocess.run(command, env={**os.environ, **env}).returncode == 0:
             return 0
         print(f"uv could not install {shlex.join(arguments)}; pip will", file=sys.stderr)
@@ -99,21 +98,7 @@ def install(venv: Path, arguments: list[str]) -> int:
     return subprocess.run([*command, *arguments]).returncode
 
 
-def compile_bytecode(venv: Path) -> int:
-    """Compile VENV's site-packages to bytecode (up-to-date files are skipped)."""
-    python = str(venv / "bin" / "python")
-    where = "import sysconfig; print(sysconfig.get_paths()['purelib'])"
-    site = subprocess.run([python, "-c", where], capture_output=True, text=True, check=True)
-    # a few files are test data in a newer Python's syntax (torch's py312_intrinsics.py):
-    # compileall reports them and goes on; their packages never import them here
-    subprocess.run([python, "-m", "compileall", "-q", "-j", "0", site.stdout.strip()],
-                   stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)  # fmt: skip
-    return 0
-
-
 def main() -> None:
-    if len(sys.argv) == 3 and sys.argv[1] == "--bytecode":
-        sys.exit(compile_bytecode(Path(sys.argv[2])))
     if len(sys.argv) < 3:
         sys.exit(__doc__.split("\n\n")[1].strip())
     sys.exit(install(Path(sys.argv[1]), sys.argv[2:]))
