@@ -147,6 +147,9 @@ QWEN_PLAN = Plan(
     samples=10,
 )
 
+# the main board, whose kvpress sweep names the best presses for the later plans
+BOARD_4K = Path(__file__).resolve().parent / "ruler" / "smollm2-135m-4096"
+
 PLANS: dict[tuple[str, int], Plan] = {
     ("smollm2-135m", 4096): Plan(
         kv=SMOLLM2_KV,
@@ -181,19 +184,20 @@ PLANS: dict[tuple[str, int], Plan] = {
 }
 
 
-def best_presses(work: Path, n: int) -> str:
-    """kvpress's `n` best presses on the SmolLM2 4K board (its `kvpress` sweep under `work`):
-    by RULER average over both settings at SPEED-22's KV ratio. Refuses until every press has
-    every task at the board's samples: a choice from part of the tasks would be another one."""
+def best_presses(work: Path, n: int, published: Path = BOARD_4K / "results.json") -> str:
+    """kvpress's `n` best presses on the SmolLM2 4K board (its `kvpress` sweep under `work`, and
+    the published board's rows where its runs are not there): by RULER average over both
+    settings at SPEED-22's KV ratio. Refuses until every press has every task at the board's
+    samples: a choice from part of the tasks would be another one."""
     board = PLANS[("smollm2-135m", 4096)]
     ratio = board.compression_ratios().split(",")[0]
     dirs = sorted(
         p.parent for p in (work / "smollm2-135m" / "4096").glob("kvpress-*/records.jsonl")
     )
+    on_record = lb.rows_from_json(json.loads(published.read_text())) if published.exists() else []
+    rows, _ = lb.with_published(lb.rows_from_runs(dirs), on_record)
     rows = [
-        r
-        for r in lb.rows_from_runs(dirs)
-        if r.method.startswith("kvpress:") and f"ratio={float(ratio):g}" in r.method
+        r for r in rows if r.method.startswith("kvpress:") and f"ratio={float(ratio):g}" in r.method
     ]
     ready = [r for r in rows if r.average is not None and r.min_samples >= board.samples]
     names = {press_of(r) for r in rows}

@@ -133,7 +133,25 @@ def test_best_presses_wait_for_the_whole_4k_sweep(tmp_path):
         board.best_presses(tmp_path, 2)
     kvpress_board(tmp_path / "other", dict.fromkeys(presses[:-1], 0.5))  # a press missing
     with pytest.raises(SystemExit, match="kvpress sweep is not complete"):
-        board.best_presses(tmp_path / "other", 2)
+        board.best_presses(tmp_path / "other", 2, published=tmp_path / "none.json")
+
+
+def test_best_presses_come_from_the_published_board_where_its_runs_are_elsewhere(tmp_path):
+    presses = board.split_commas(board.PLANS[("smollm2-135m", 4096)].presses)
+    scores = dict(zip(presses, (0.1, 0.5, 0.3, 0.4, 0.2)))
+    kvpress_board(tmp_path / "elsewhere", scores)
+    rows = board.lb.rows_from_runs(
+        [tmp_path / "elsewhere" / "smollm2-135m" / "4096" / "kvpress-1of1"]
+    )
+    published = tmp_path / "results.json"
+    published.write_text(json.dumps(board.lb.to_json(rows)))
+    assert board.best_presses(tmp_path / "here", 2, published) == f"{presses[1]},{presses[3]}"
+    # a press missing from what was published is still refused
+    published.write_text(
+        json.dumps(board.lb.to_json([r for r in rows if presses[0] not in r.method]))
+    )
+    with pytest.raises(SystemExit, match="kvpress sweep is not complete"):
+        board.best_presses(tmp_path / "here", 2, published)
 
 
 def test_kvpress_runs_in_the_settings_speedkvs_rows_have(tmp_path):
