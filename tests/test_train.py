@@ -686,3 +686,23 @@ def test_spelled_deep_keeps_a_resumed_run_on_the_suffix_it_was_trained_with(tmp_
         _check_run_dir(tmp_path, now, resume=True, last=None)
     paper = TrainConfig(out=str(tmp_path), method="speed:lcut=2,anchors=bos,deep=1")
     _check_run_dir(tmp_path, paper, resume=True, last=None)
+
+
+def test_probes_run_in_autos_dtype_for_transformers_layers(word_model, monkeypatch):
+    """Most of a probe is a teacher-forced forward through transformers' own layers: on a CPU
+    without bf16 instructions it runs in float32, even where speedkv's decode kernel would
+    make `auto` bfloat16 for the engine."""
+    from speedkv.hf import loading
+    from speedkv.train.probe import Probe
+
+    class Weights:
+        def inference_copy(self):
+            return copy.deepcopy(word_model.hf_model).to(torch.bfloat16)
+
+    monkeypatch.setattr(loading, "cpu_decodes_bf16_natively", lambda: True)
+    probe = Probe.__new__(Probe)  # its prompts are not needed here
+    probe.tokenizer = word_model.tokenizer
+    for bf16_instructions, expected in ((False, torch.float32), (True, torch.bfloat16)):
+        monkeypatch.setattr(loading, "cpu_has_bf16_matmul", lambda b=bf16_instructions: b)
+        model = probe.inference_model(Weights())
+        assert {p.dtype for p in model.hf_model.parameters()} == {expected}
