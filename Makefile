@@ -56,8 +56,8 @@ test: install qwen vllm-venv vllm-qwen
 	$(PY) -m pytest -q $(XDIST)
 	$(VLLM_VENV)/bin/python -m pytest -q $(XDIST) tests/vllm_backend
 
-# what `make test` leaves out for time: a 3000-token prompt in every vLLM batch test, and the
-# vLLM cases whose path another case of the suite already runs
+# what `make test` leaves out for time: prompts of 1700 and 3000 tokens in every vLLM batch
+# test, and the vLLM cases whose path another case of the suite already runs
 test-long:
 	SPEEDKV_LONG_TESTS=1 $(MAKE) test
 

@@ -1,6 +1,9 @@
 """Every command and Python snippet in README.md runs as written, on the embedded model, with
 small sizes appended (click takes the last value of an option given twice), from a directory
-where a new user would stand: a `doc.txt` to ask about and the shipped `adapters/`.
+where a new user would stand: a `doc.txt` to ask about and the shipped `adapters/`. Each
+command is a process of its own; most are forked from one that has imported torch and
+transformers already (preloaded_cli.py), and `--version`, `--help` and `serve` start as a
+shell starts them.
 
 `make demo` and `make test` are the two README lines not run here: this suite is `make test`,
 and `make demo` runs in a fresh clone before a release."""
@@ -19,6 +22,7 @@ from pathlib import Path
 import pytest
 
 from helpers import free_port, stop_server, wait_until_healthy
+from preloaded_cli import PreloadedCli
 
 ROOT = Path(__file__).resolve().parent.parent
 README = (ROOT / "README.md").read_text()
@@ -30,7 +34,16 @@ SMALL = {
     "bench": ["--lengths", "256", "--max-new-tokens", "4", "--repeats", "1"],
     "bench-reuse": ["--lengths", "256", "--repeats", "1", "--questions", "1"],
     "demo": ["--prompt-tokens", "300", "--max-new-tokens", "4"],
-    "eval": ["--lengths", "512", "--samples", "1"],
+    "eval": [
+        "--lengths",
+        "512",
+        "--samples",
+        "1",
+        "--depths",
+        "0.5",
+        "--continuation-tokens",
+        "16",
+    ],
     "diagnose": ["--samples", "2", "--doc-tokens", "32", "--max-new-tokens", "4"],
     "choose-lcut": ["--samples", "1", "--prompt-tokens", "96", "--continuation-tokens", "8"],
     "calibrate-tsp": ["--samples", "1", "--prompt-tokens", "128"],
@@ -74,13 +87,23 @@ def newcomer(tmp_path_factory) -> Path:
     return home
 
 
-def run(args: list[str], cwd: Path, threads: int | None = None) -> subprocess.CompletedProcess:
-    env = {**os.environ, "PYTHONWARNINGS": "ignore"}
-    if threads:
-        env["OMP_NUM_THREADS"] = str(threads)
-    done = subprocess.run(
-        [SPEEDKV, *args], cwd=cwd, capture_output=True, text=True, timeout=900, env=env
-    )
+ONE_THREAD = {"PYTHONWARNINGS": "ignore", "OMP_NUM_THREADS": "1"}
+
+
+def run(
+    args: list[str], cwd: Path, threads: int | None = None, cli: PreloadedCli | None = None
+) -> subprocess.CompletedProcess:
+    """`speedkv ARGS`, a process of its own: forked from `cli`'s preloaded one (whose threads
+    it has) if given, else started as a shell starts it."""
+    if cli:
+        done = cli.run(args, cwd, timeout=900)
+    else:
+        env = {**os.environ, "PYTHONWARNINGS": "ignore"}
+        if threads:
+            env["OMP_NUM_THREADS"] = str(threads)
+        done = subprocess.run(
+            [SPEEDKV, *args], cwd=cwd, capture_output=True, text=True, timeout=900, env=env
+        )
     assert done.returncode == 0, f"speedkv {shlex.join(args)}\n{done.stderr[-3000:]}"
     assert "Traceback" not in done.stderr
     return done
@@ -148,7 +171,14 @@ def test_readme_command_chains_keep_each_writer_before_its_reader():
         assert len(order) >= 2 and first in chain[order[0]]
 
 
+# the commands that start as a shell starts them; the others are forked from a process that has
+# imported torch and transformers already (preloaded_cli.py), which saves most of their time
+FROM_THE_SHELL = {"--version", "--help", "serve"}
+
+
 def test_every_readme_command_runs(newcomer):
+    cli = PreloadedCli(SPEEDKV, ONE_THREAD)
+
     def run_chain(chain: list[list[str]]) -> list[str]:
         ran = []
         for args in chain:
@@ -158,7 +188,8 @@ def test_every_readme_command_runs(newcomer):
                 assert reply["choices"][0]["message"]["content"]
                 assert reply["speedkv"][0]["method"].startswith("speed:lcut=22,anchors=bos,deep=1")
             else:
-                done = run(args + SMALL.get(command, []), newcomer, threads=1)
+                forked = None if command in FROM_THE_SHELL else cli
+                done = run(args + SMALL.get(command, []), newcomer, threads=1, cli=forked)
                 if "--json" in args:
                     assert json.loads(done.stdout)["method"]
                 if command == "--version":

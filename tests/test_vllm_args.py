@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import os
 
 import pytest
 import torch
@@ -233,3 +234,18 @@ def test_kv_groups_follow_vllms_grouping(layers, lcut, groups, padded):
     assert settings.padded_layers(layers) == padded
     assert settings.padded_layers(layers) == 0 or padding_free_lcut(layers) != lcut
     assert SpeedSettings(lcut, 1, 1, compact_kv=False).kv_groups(layers) == (layers, 1, 0)
+
+
+def test_without_cuda_vllm_keeps_a_compile_cache_that_loads(monkeypatch):
+    from speedkv.vllm.offline import cpu_compile_cache
+
+    monkeypatch.delenv("VLLM_USE_AOT_COMPILE", raising=False)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    cpu_compile_cache()  # vLLM's CUDA build keeps its own choice
+    assert "VLLM_USE_AOT_COMPILE" not in os.environ
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    cpu_compile_cache()
+    assert os.environ["VLLM_USE_AOT_COMPILE"] == "0"
+    monkeypatch.setenv("VLLM_USE_AOT_COMPILE", "1")  # the user's choice stands
+    cpu_compile_cache()
+    assert os.environ["VLLM_USE_AOT_COMPILE"] == "1"

@@ -25,7 +25,7 @@ from speedkv.prompts.builders import exact_chat_prompt
 from speedkv.vllm.args import engine_args
 from speedkv.vllm.settings import SpeedSettings
 
-from conftest import run_vllm, vllm_engine
+from conftest import LONG, run_vllm, vllm_engine
 
 NEW = 6
 LOGPROB_TOLERANCE = 2e-4  # float32: vLLM's CPU kernels against a dense torch forward (~2e-5)
@@ -119,21 +119,29 @@ CASES = {
     # whole prompts, eviction included (a deep suffix of 4 is run chunked and on pipeline stages)
     "bos-deep1": ("speed:lcut=22,anchors=bos,deep=1", {}),
     "none-deep1": ("speed:lcut=22,anchors=none,deep=1", {}),
-    # a 256-token budget splits each prompt into chunks, anywhere in it
-    "bos-deep1-chunked": ("speed:lcut=22,anchors=bos,deep=1", {"max_num_batched_tokens": 256}),
+    # a 256-token budget splits each prompt into chunks, anywhere in it (`make test` runs the
+    # deep suffix of 4; the other two, whose anchors and suffix the whole prompts above run,
+    # are on demand)
     "bos-deep4-chunked": ("speed:lcut=22,anchors=bos,deep=4", {"max_num_batched_tokens": 256}),
+    "bos-deep1-chunked": ("speed:lcut=22,anchors=bos,deep=1", {"max_num_batched_tokens": 256}),
     "none-deep1-chunked": ("speed:lcut=22,anchors=none,deep=1", {"max_num_batched_tokens": 256}),
-    # two pipeline stages in worker processes of their own: the hits travel with the
-    # scheduler's output; the cut at 10 keeps the upper layers' own blocks there (each stage
-    # sizes its own pool, so this case leaves eviction out)
-    "pipeline": ("speed:lcut=10,anchors=bos,deep=4",
-                 {"pipeline_parallel_size": 2, "enforce_eager": False}),
 }  # fmt: skip
+ON_DEMAND = {"bos-deep1-chunked", "none-deep1-chunked"}
+# two pipeline stages: test_vllm_scaleout.py, beside the other compiled pipeline engine
 
 
-@pytest.mark.parametrize("case", list(CASES))
+@pytest.mark.parametrize(
+    "case", [pytest.param(case, marks=[LONG] if case in ON_DEMAND else []) for case in CASES]
+)
 def test_reused_prefixes_equal_the_engine_and_the_dense_reference(directory, smollm, case):
     method, options = CASES[case]
+    conversation_reuses_prefixes(directory, smollm, method, options)
+
+
+def conversation_reuses_prefixes(directory, smollm, method: str, options: dict) -> None:
+    """Two questions on a document, a three-turn chat, then (with whole prompts on one worker)
+    the document evicted by others and asked about again: vLLM's hits are the expected ones
+    and every answer equals the engine's replay and the dense reference."""
     tok = smollm.tokenizer
     doc = exact_chat_prompt(tok, DOC, start=3)
     others = [exact_chat_prompt(tok, DOC, start=100 + 50 * i) for i in range(3)]
@@ -159,8 +167,9 @@ def test_reused_prefixes_equal_the_engine_and_the_dense_reference(directory, smo
     ]
     whole_doc = DOC // BLOCK * BLOCK
     hits = [0, whole_doc, turn1 + 4, turn2 + 4, 0, 0, 0, 0, whole_doc]
+    length = turn2 + NEW + 40 + NEW
     if options:  # chunks or pipeline stages: the document and the chat, eviction left out
-        steps, hits, llm_args = steps[:4], hits[:4], {}
+        steps, hits, llm_args = steps[:4], hits[:4], {"max_model_len": length}
     else:
         # a pool that holds the blocks of three such requests (their token blocks in each
         # lower KV cache group, one in the upper): requests 4-6 push out everything older
@@ -168,9 +177,11 @@ def test_reused_prefixes_equal_the_engine_and_the_dense_reference(directory, smo
             engine_args(method, directory)["hf_overrides"]
         ).kv_groups(30)
         blocks = -(-(DOC + 40 + NEW) // BLOCK)
-        llm_args = {"num_gpu_blocks_override": 3 * (blocks * lower + upper)}
-    length = turn2 + NEW + 40 + NEW
-    served = serve(directory, method, steps, max_model_len=length, **llm_args, **options)
+        llm_args = {
+            "num_gpu_blocks_override": 3 * (blocks * lower + upper),
+            "max_model_len": length,
+        }
+    served = serve(directory, method, steps, **{**llm_args, **options})
 
     assert [s.hit for s in served] == hits
     check(Replay(smollm, method), served, skip=(4, 5, 6))  # the others' documents: fresh

@@ -30,6 +30,7 @@ from speedkv.vllm.offline import VllmEngine
 from speedkv.vllm.settings import SpeedSettings, rank_split
 
 from conftest import LENGTHS, LONG, NEW, fake_config, run_vllm, upper_rows
+from test_vllm_prefix_cache import conversation_reuses_prefixes
 
 QWEN = "qwen2.5-coder-0.5b"
 
@@ -66,6 +67,17 @@ def test_smollm2_on_two_pipeline_stages(directory, prompts, reference, method, r
                    pipeline_parallel_size=2, enforce_eager=False)  # fmt: skip
     assert run.tokens == reference(method, prompts)
     assert run.rank_rows == [n * upper_rows(prompts, 1, 4, NEW) for n in rows]
+
+
+def test_reused_prefixes_on_two_pipeline_stages(directory, smollm):
+    """vLLM's prefix caching with each stage in a worker process of its own: the hits travel
+    with the scheduler's output (test_vllm_prefix_cache.py's conversation). The cut at 10
+    keeps the upper layers' own blocks there; each stage sizes its own pool, so eviction is
+    left out. The engine is the one above but for prefix caching, which vLLM's compile cache
+    leaves out of its key: it loads the stages that test compiled."""
+    # vLLM's default context length as above, which the compile cache's key holds
+    options = {"pipeline_parallel_size": 2, "enforce_eager": False, "max_model_len": None}
+    conversation_reuses_prefixes(directory, smollm, "speed:lcut=10,anchors=bos,deep=4", options)
 
 
 @pytest.fixture(scope="module")

@@ -1,6 +1,6 @@
 """The vLLM backend against speedkv's own engine on SmolLM2-135M: float32, greedy, a batch of
-prompts from 1 to 1700 tokens (and 3000 with SPEEDKV_LONG_TESTS); again with chunked prefill
-and with preemption forced."""
+prompts from 1 to 900 tokens (and 1700 and 3000 with SPEEDKV_LONG_TESTS); again with chunked
+prefill and with preemption forced."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ from speedkv.prompts.builders import exact_chat_prompt
 from speedkv.vllm.args import engine_args
 from speedkv.vllm.settings import SpeedSettings
 
-from conftest import NEW, run_vllm, upper_rows, vllm_engine
+from conftest import LONG, NEW, run_vllm, upper_rows, vllm_engine
 
 
 def test_full_is_stock_vllm_and_equals_the_engine(directory, prompts, reference):
@@ -41,7 +41,10 @@ def test_speed_architecture_at_lcut_L_equals_stock(directory, prompts, reference
         # 10 lower and 20 upper layers: two upper KV cache groups, each with its own metadata
         ("speed:lcut=10,anchors=bos,deep=4", 1, 4, {}),
         # chunked prefill: a 128-token budget splits every long prompt, anywhere in it
-        ("speed:lcut=22,anchors=bos,deep=1", 1, 1, {"max_num_batched_tokens": 128}),
+        # (with deep=1 on demand: the chunk boundary tests below split at its deep suffix)
+        pytest.param(
+            "speed:lcut=22,anchors=bos,deep=1", 1, 1, {"max_num_batched_tokens": 128}, marks=LONG
+        ),
         ("speed:lcut=22,anchors=bos,deep=4", 1, 4, {"max_num_batched_tokens": 128}),
     ],
     ids=["bos-deep1", "bos-deep4", "none", "lcut10", "chunked-deep1", "chunked-deep4"],

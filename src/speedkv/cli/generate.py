@@ -173,12 +173,19 @@ def generate_on_vllm(
     from speedkv.bench.memory import peak_rss_bytes
     from speedkv.hf.loading import load_tokenizer
     from speedkv.hf.text import encode_prompt
-    from speedkv.vllm.offline import VllmEngine, cpu_kv_space, engine_kwargs, quiet_vllm_logs
+    from speedkv.vllm.offline import (
+        VllmEngine,
+        cpu_compile_cache,
+        cpu_kv_space,
+        engine_kwargs,
+        quiet_vllm_logs,
+    )
 
     spec = str(method or "full")
     directory = vllm_model(model, spec, adapter)
     quiet_vllm_logs()
     cpu_kv_space(1)  # GiB: room for one request
+    cpu_compile_cache()
     ids = encode_prompt(load_tokenizer(directory), text, chat=not raw).ids
     log(f"starting vLLM on {directory.name}, method {spec}")
     options = engine_kwargs(vllm_args)

@@ -25,6 +25,18 @@ def cpu_kv_space(gib: int) -> None:
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", str(gib))
 
 
+def cpu_compile_cache() -> None:
+    """On a machine without CUDA (vLLM's CPU build), vLLM's older torch.compile cache unless the
+    user chose: the AOT artifacts vLLM 0.32 saves there never load again ("'function' object
+    has no attribute 'finalize_loading'", vllm-project/vllm#45447), so every start compiled the
+    model anew, while the older cache's do load (a warm start of SmolLM2 under SPEED-22 took
+    49 s instead of 144 s)."""
+    import torch
+
+    if not torch.cuda.is_available():
+        os.environ.setdefault("VLLM_USE_AOT_COMPILE", "0")
+
+
 def cpu_thread_binding(ranks: int) -> None:
     """On vLLM's CPU build, bind each of `ranks` workers (tensor x pipeline parallel) to a core
     of this process, round-robin, unless the user set VLLM_CPU_OMP_THREADS_BIND: vLLM's own
