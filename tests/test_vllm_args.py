@@ -236,16 +236,19 @@ def test_kv_groups_follow_vllms_grouping(layers, lcut, groups, padded):
     assert SpeedSettings(lcut, 1, 1, compact_kv=False).kv_groups(layers) == (layers, 1, 0)
 
 
-def test_without_cuda_vllm_keeps_a_compile_cache_that_loads(monkeypatch):
-    from speedkv.vllm.offline import cpu_compile_cache
+def test_vllm_cpu_defaults_a_small_pool_and_a_compile_cache_that_loads(monkeypatch):
+    from speedkv.vllm.offline import cpu_engine_defaults
 
-    monkeypatch.delenv("VLLM_USE_AOT_COMPILE", raising=False)
+    for name in ("VLLM_USE_AOT_COMPILE", "VLLM_CPU_KVCACHE_SPACE"):
+        monkeypatch.delenv(name, raising=False)
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
-    cpu_compile_cache()  # vLLM's CUDA build keeps its own choice
+    cpu_engine_defaults(1)  # vLLM's CUDA build keeps its own choice of compile cache
     assert "VLLM_USE_AOT_COMPILE" not in os.environ
+    assert os.environ["VLLM_CPU_KVCACHE_SPACE"] == "1"
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
-    cpu_compile_cache()
+    cpu_engine_defaults(4)
     assert os.environ["VLLM_USE_AOT_COMPILE"] == "0"
+    assert os.environ["VLLM_CPU_KVCACHE_SPACE"] == "1"  # set already: kept
     monkeypatch.setenv("VLLM_USE_AOT_COMPILE", "1")  # the user's choice stands
-    cpu_compile_cache()
+    cpu_engine_defaults(1)
     assert os.environ["VLLM_USE_AOT_COMPILE"] == "1"

@@ -21,12 +21,12 @@ from speedkv import Engine, Request, SamplingParams, load_model, make_policy
 from speedkv.hf.loading import model_directory
 from speedkv.prompts.builders import exact_chat_prompt, raw_passage
 from speedkv.vllm.compact import compact_length
-from speedkv.vllm.offline import cpu_compile_cache
+from speedkv.vllm.offline import cpu_engine_defaults
 
 # set before vLLM is imported (speedkv's modules above do not import it)
 os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
-os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
-cpu_compile_cache()  # a compiled engine's second start in a worker loads what the first saved
+# a 1 GiB KV pool, and a compiled engine's second start in a worker loads what the first saved
+cpu_engine_defaults(1)
 # the tests read counters off the workers (collective_rpc with a function): with worker
 # processes (tensor parallel) vLLM pickles the function, which it allows only when asked
 os.environ.setdefault("VLLM_ALLOW_INSECURE_SERIALIZATION", "1")

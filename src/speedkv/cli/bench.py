@@ -156,7 +156,7 @@ def vllm_bench(model: str, config, adapter: Path | None, weights: str, out: Path
     from speedkv.cli.common import dtype_without_native_decode, vllm_model
     from speedkv.vllm.args import engine_args
     from speedkv.vllm.bench import VllmBench
-    from speedkv.vllm.offline import cpu_compile_cache, cpu_kv_space, engine_kwargs, quiet_vllm_logs
+    from speedkv.vllm.offline import cpu_engine_defaults, engine_kwargs, quiet_vllm_logs
 
     if weights != "native":
         raise UserError("--weights is speedkv's own engine's; drop it with --backend vllm")
@@ -166,8 +166,7 @@ def vllm_bench(model: str, config, adapter: Path | None, weights: str, out: Path
     for method in config.methods:
         engine_args(str(method), directory)
     quiet_vllm_logs()
-    cpu_kv_space(1)  # GiB per method's engine: one request at a time
-    cpu_compile_cache()
+    cpu_engine_defaults(1)  # GiB per method's engine: one request at a time
     config.dtype = dtype_without_native_decode(config.dtype)
     return VllmBench(directory, config, out, engine_kwargs(vllm_args))
 

@@ -175,8 +175,7 @@ def generate_on_vllm(
     from speedkv.hf.text import encode_prompt
     from speedkv.vllm.offline import (
         VllmEngine,
-        cpu_compile_cache,
-        cpu_kv_space,
+        cpu_engine_defaults,
         engine_kwargs,
         quiet_vllm_logs,
     )
@@ -184,8 +183,7 @@ def generate_on_vllm(
     spec = str(method or "full")
     directory = vllm_model(model, spec, adapter)
     quiet_vllm_logs()
-    cpu_kv_space(1)  # GiB: room for one request
-    cpu_compile_cache()
+    cpu_engine_defaults(1)  # GiB: room for one request
     ids = encode_prompt(load_tokenizer(directory), text, chat=not raw).ids
     log(f"starting vLLM on {directory.name}, method {spec}")
     options = engine_kwargs(vllm_args)

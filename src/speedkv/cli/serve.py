@@ -175,14 +175,13 @@ def serve_on_vllm(
     """Replace this process with vLLM's OpenAI server running the method."""
     import os
 
-    from speedkv.vllm.offline import cpu_compile_cache, cpu_kv_space
+    from speedkv.vllm.offline import cpu_engine_defaults
     from speedkv.vllm.serve import check_serve_command, serve_command
 
     directory = vllm_model(model, method.text, adapter)
     dtype = dtype_without_native_decode(dtype)
     argv = serve_command(directory, method.text, model, dtype, host, port, api_key, extra)
-    cpu_kv_space(4)  # room for many requests; VLLM_CPU_KVCACHE_SPACE overrides it
-    cpu_compile_cache()
+    cpu_engine_defaults(4)  # GiB: room for many requests
     check_serve_command(argv)  # what SPEED cannot run is refused here, not in vLLM's server
     _log(f"serving '{model}' with {method.text} on vLLM: {' '.join(argv[1:])}")
     sys.stdout.flush()

@@ -19,20 +19,20 @@ from speedkv.vllm.compact import full_depth_count
 from speedkv.vllm.settings import SpeedSettings
 
 
-def cpu_kv_space(gib: int) -> None:
-    """The KV pool of vLLM's CPU build, in GiB, unless the user set it: left alone it sizes
-    the pool from a share of all RAM and takes minutes to start on a small machine."""
-    os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", str(gib))
+def cpu_engine_defaults(kv_gib: int) -> None:
+    """What vLLM's CPU build is given where the user set nothing:
 
-
-def cpu_compile_cache() -> None:
-    """On a machine without CUDA (vLLM's CPU build), vLLM's older torch.compile cache unless the
-    user chose: the AOT artifacts vLLM 0.32 saves there never load again ("'function' object
-    has no attribute 'finalize_loading'", vllm-project/vllm#45447), so every start compiled the
-    model anew, while the older cache's do load (a warm start of SmolLM2 under SPEED-22 took
-    49 s instead of 144 s)."""
+    - a KV pool of `kv_gib` GiB (VLLM_CPU_KVCACHE_SPACE): left alone it sizes the pool from a
+      share of all RAM and takes minutes to start on a small machine;
+    - where there is no CUDA, vLLM's older torch.compile cache (VLLM_USE_AOT_COMPILE=0): the
+      AOT artifacts vLLM-CPU 0.32 saves never load again ("'function' object has no attribute
+      'finalize_loading'", vllm-project/vllm#45447), so every start compiled the model anew,
+      while the older cache's do load (`speedkv generate --backend vllm`'s second start took
+      106 s instead of 221 s, docs/vllm.md).
+    """
     import torch
 
+    os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", str(kv_gib))
     if not torch.cuda.is_available():
         os.environ.setdefault("VLLM_USE_AOT_COMPILE", "0")
 
