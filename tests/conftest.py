@@ -44,33 +44,41 @@ def pytest_configure(config) -> None:
         torch.set_num_threads(int(os.environ["OMP_NUM_THREADS"]))
 
 
-# Test files slowest first: seconds each in `make test`'s two workers (the vLLM suite as it runs
-# after the main one: converted models reused, vLLM's compile cache empty), on 2 cores of an AMD
-# EPYC Zen 3 (AVX2 only, 2026-11-27; each suite's `--durations=0`, summed per file). `make test`
-# runs pytest-xdist with `--dist loadfile --no-loadscope-reorder`: files are handed out in this
-# order, so the long ones start first and no worker is left alone with one at the end. Files not
-# named keep their place after these.
+# Test files in the order `make test` hands them out, slowest first: seconds each in its two
+# workers (the vLLM suite as it runs after the main one: converted models reused, vLLM's compile
+# cache empty), on 2 cores of an AMD EPYC Zen 3 (AVX2 only, 2026-11-29; per file, from each
+# test's start and end). `make test` runs pytest-xdist with `--dist loadfile
+# --no-loadscope-reorder`, so the long files start first and no worker is left alone with one at
+# the end. xdist gives a worker its next file when two tests of its current one remain, so a
+# file of one or two tests brings the next with it: two vLLM files (marked) sit a place early,
+# the order that ended both workers closest together, replayed over two runs' timings. Files
+# not named keep their place after these.
 SLOWEST_FIRST = (
-    "test_vllm_prefix_cache.py",  # 476
-    "test_vllm_scaleout.py",  # 418
-    "test_readme.py",  # 366
-    "test_vllm_speed.py",  # 342
-    "test_ruler.py",  # 247, with the RULER samples the later ruler files reuse
-    "test_server.py",  # 156
-    "test_vllm_serve.py",  # 130
-    "test_vllm_compiled.py",  # 119
-    "test_native_builds.py",  # 114
-    "test_kernel_paths.py",  # 105
-    "test_ruler_served.py",  # 84
-    "test_vllm_kv_blocks.py",  # 77
-    "test_readme_vllm.py",  # 75
-    "test_vllm_cli.py",  # 56
-    "test_real_qwen.py",  # 49
-    "test_kvpress_peer.py",  # 47
-    "test_vllm_refusals.py",  # 42
-    "test_prefix_reuse.py",  # 41
-    "test_evals.py",  # 36
-    "test_gpu_check.py",  # 35
+    "test_readme.py",  # 328
+    "test_ruler.py",  # 303, with the RULER samples the later ruler files reuse
+    "test_vllm_scaleout.py",  # 298
+    "test_vllm_prefix_cache.py",  # 243
+    "test_vllm_speed.py",  # 237
+    "test_server.py",  # 146
+    "test_vllm_serve.py",  # 145
+    "test_native_builds.py",  # 135
+    "test_kvpress_peer.py",  # 90
+    "test_ruler_served.py",  # 88
+    "test_readme_vllm.py",  # 84
+    "test_vllm_cli.py",  # 68, before the one-test file below
+    "test_vllm_kv_blocks.py",  # 78
+    "test_real_qwen.py",  # 64
+    "test_prefix_reuse.py",  # 56
+    "test_kernel_paths.py",  # 52
+    "test_evals.py",  # 52
+    "test_vllm_compiled.py",  # 43, before the file below
+    "test_vllm_refusals.py",  # 47
+    "test_gpu_check.py",  # 46
+    "test_real_model.py",  # 34
+    "test_train.py",  # 34
+    "test_prefix_file.py",  # 30
+    "test_bench.py",  # 27
+    "test_vllm_qwen2.py",  # 15
 )
 
 

@@ -146,3 +146,34 @@ def test_before_after_table_inverts_hf_ratios():
     table = engine_vs_hf({"config": {"lengths": [64]}, "cells": [full, hf]})
     assert "| 64 | 1.250 | 1.000 | 0.800 | 2.00 | 100.0 | 50.0 | 0.500 | 5.00 |" in table
     assert engine_vs_hf({"config": {"lengths": [64]}, "cells": [full]}) == ""
+
+
+def test_hf_runs_float32_where_the_cpu_has_no_bf16_products(monkeypatch, tmp_path):
+    """`auto` gave bfloat16 (speedkv's kernels run it), but transformers' own layers would run
+    bfloat16 products as a plain loop there: `hf` runs a float32 copy, as a user would load it,
+    and says so; a dtype the user named is kept."""
+    import copy
+
+    import torch
+
+    from speedkv.bench import runner
+    from speedkv.hf.loading import LoadedModel
+
+    from conftest import tiny_model
+
+    hf = tiny_model("llama").hf_model.to(torch.bfloat16)
+    model = LoadedModel(name="tiny", hf_model=hf, tokenizer=None, source="memory")
+    monkeypatch.setattr(runner, "resolve_dtype", lambda *args, **kwargs: torch.float32)
+    config = BenchConfig(model="tiny", methods=["hf"], lengths=[16], new_tokens=3, repeats=1)
+    bench = Bench(model, config, tmp_path)
+    assert bench.model.dtype == torch.bfloat16 and bench.hf_model.dtype == torch.float32
+    assert "float32 copy" in bench.notes[0]
+    ids = list(range(5, 21))
+    row = bench.measure("hf", ids, 3)
+    expected = copy.deepcopy(hf).float().generate(torch.tensor([ids]), max_new_tokens=3,
+                                                  do_sample=False, pad_token_id=0)  # fmt: skip
+    assert row["output_ids"] == expected[0, len(ids) :].tolist()
+    per = model.shape.kv_bytes_per_token_layer(torch.float32)
+    assert row["kv_bytes"] == len(ids) * model.shape.num_layers * per
+    named = BenchConfig(model="tiny", methods=["hf"], lengths=[16], new_tokens=3, dtype="bfloat16")
+    assert Bench(model, named, tmp_path).hf_model is model

@@ -6,6 +6,7 @@ names operators, and the results print as the docs' table."""
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -14,10 +15,12 @@ ROOT = Path(__file__).resolve().parents[1]
 
 
 def test_the_gpu_check_runs_tiny_on_the_cpu(tmp_path):
+    # a caller's pytest options (here a plugin that does not exist) are not the check's
+    env = {**os.environ, "PYTEST_ADDOPTS": "-p no_such_plugin"}
     done = subprocess.run(
         [sys.executable, str(ROOT / "benchmarks" / "gpu.py"), "--tiny", "--device", "cpu",
          "--out", str(tmp_path)],
-        capture_output=True, text=True, timeout=600,
+        capture_output=True, text=True, timeout=600, env=env,
     )  # fmt: skip
     assert done.returncode == 0, done.stderr[-3000:]
     exact = json.loads((tmp_path / "exactness.json").read_text())["exactness"]

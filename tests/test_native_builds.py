@@ -6,6 +6,7 @@ vectors are narrower (NEON's 4 float lanes) a head size the kernel cannot tile g
 from __future__ import annotations
 
 import os
+import re
 import shutil
 import signal
 import subprocess
@@ -181,17 +182,36 @@ def test_values_laid_out_unlike_their_keys_go_to_torch(monkeypatch):
 
 
 CROSS = shutil.which("aarch64-linux-gnu-g++")
+CROSS_FLAGS = ["-std=c++17", "-O2", "-march=armv8.2-a", "-fopenmp"]
+
+
+@pytest.fixture(scope="module")
+def aarch64_headers(tmp_path_factory) -> list[str]:
+    """Include flags for torch's headers, with ATen.h (every kernel's first include, and most of
+    a kernel's parse) precompiled once for aarch64: six parses of it would take a minute and a
+    half. GCC takes `ATen/ATen.h.gch` from the first include folder in place of the header."""
+    from torch.utils.cpp_extension import include_paths
+
+    includes = [f"-I{path}" for path in include_paths()]
+    folder = tmp_path_factory.mktemp("aarch64-pch")
+    (folder / "ATen").mkdir()
+    header = next(Path(p) / "ATen" / "ATen.h" for p in include_paths()
+                  if (Path(p) / "ATen" / "ATen.h").is_file())  # fmt: skip
+    command = [CROSS, *CROSS_FLAGS, *includes, "-x", "c++-header", str(header),
+               "-o", str(folder / "ATen" / "ATen.h.gch")]  # fmt: skip
+    done = subprocess.run(command, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    return [f"-I{folder}", *includes]
 
 
 @pytest.mark.skipif(CROSS is None, reason="no aarch64 cross compiler (g++-aarch64-linux-gnu)")
 @pytest.mark.parametrize("name", sorted(native.KERNELS))
-def test_every_kernel_compiles_for_aarch64(name, tmp_path):
+def test_every_kernel_compiles_for_aarch64(name, aarch64_headers):
     """Each kernel source compiles for arm64 (NEON) against this torch's headers: the build a
     Graviton or an arm64 container would run, checked here without one."""
-    from torch.utils.cpp_extension import include_paths
-
-    includes = [f"-I{path}" for path in include_paths()]
-    command = [CROSS, "-std=c++17", "-O2", "-march=armv8.2-a", "-fopenmp", "-fsyntax-only",
-               *includes, str(native.CSRC / f"{name}.cpp")]  # fmt: skip
+    command = [CROSS, *CROSS_FLAGS, "-fsyntax-only", "-H", *aarch64_headers,
+               str(native.CSRC / f"{name}.cpp")]  # fmt: skip
     done = subprocess.run(command, capture_output=True, text=True, timeout=300)
+    # -H lists the headers read, a precompiled one that was used marked "!"
+    assert re.search(r"^! \S+/ATen/ATen\.h\.gch$", done.stderr, re.M), done.stderr[:3000]
     assert done.returncode == 0, done.stderr[-3000:]

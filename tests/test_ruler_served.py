@@ -165,26 +165,26 @@ def test_tiktoken_loads_cl100k_base_offline(tmp_path):
 
 
 @pytest.mark.real_model
-def test_the_script_on_the_real_model_compares_and_stops_its_server(smol_tokenizer, tmp_path):
+def test_the_script_on_the_real_model_compares_and_stops_its_server(ruler_root, tmp_path):
     """benchmarks/ruler_served.py end to end, as `make ruler-served` runs it, at 1K: its own
     `speedkv eval` and `speedkv serve` processes, RULER's client and scorer; the server is gone
-    afterwards."""
+    afterwards. It reads the session's RULER samples, as a user's second run reads the first's."""
     repo = Path(__file__).resolve().parents[1]
     out = tmp_path / "out"
     command = [
         sys.executable, str(repo / "benchmarks" / "ruler_served.py"), "--methods", "full",
-        "--tasks", "niah_single_1", "--length", str(LENGTH), "--samples", "1",
-        "--routes", "completion", "--ruler-data", str(tmp_path / "ruler"),
+        "--tasks", "niah_single_1", "--length", str(LENGTH), "--samples", str(N),
+        "--routes", "completion", "--ruler-data", str(ruler_root),
         "--work", str(tmp_path / "work"), "--out", str(out), "--dtype", "float32",
     ]  # fmt: skip
     done = subprocess.run(command, capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr[-3000:]
     result = json.loads((out / "results.json").read_text())
     ((row,),) = [result["tasks_table"]]
-    assert row["route"] == "completion" and row["identical"] == row["n"] == 1
+    assert row["route"] == "completion" and row["identical"] == row["n"] == N
     assert row["scores_equal"] and row["served_score"] == row["inprocess_score"]
-    (sample,) = result["per_sample"]
-    assert sample["served_answer"] == sample["inprocess_answer"]
+    assert len(result["per_sample"]) == N
+    assert all(s["served_answer"] == s["inprocess_answer"] for s in result["per_sample"])
     assert "| `full` | completion | niah_single_1 |" in (out / "table.md").read_text()
     with pytest.raises(httpx.TransportError):  # stopped with the run
         httpx.get(f"{result['servers']['full']['url']}/health", trust_env=False, timeout=2)

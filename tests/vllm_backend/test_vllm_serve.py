@@ -27,7 +27,7 @@ def server():
     command = [
         sys.executable, "-m", "speedkv.cli.app", "serve", "--backend", "vllm",
         "--method", "speed:lcut=22,anchors=bos,deep=1", "--adapter", str(ADAPTER),
-        "--dtype", "bfloat16", "--port", str(port),
+        "--port", str(port),  # --dtype auto: bfloat16 only where the CPU has bf16 products
         # eager: compiling takes most of a start, and the compiled model has its own tests
         # (test_vllm_compiled.py, the pipeline-parallel ones); what is tested here is the server
         "--vllm-arg=--enforce-eager",

@@ -14,6 +14,7 @@ TTFT against the prefill FLOPs at the matmul rate.
 
 from __future__ import annotations
 
+import copy
 import json
 import statistics
 import time
@@ -32,7 +33,7 @@ from speedkv.core.engine import Engine, Request
 from speedkv.core.registry import MethodSpec, config_record, make_policy
 from speedkv.core.sampling import SamplingParams
 from speedkv.errors import UserError
-from speedkv.hf.loading import LoadedModel
+from speedkv.hf.loading import LoadedModel, dtype_name, resolve_dtype, wrap_model
 from speedkv.log import log
 from speedkv.prompts.builders import exact_chat_prompt
 
@@ -101,15 +102,33 @@ class Bench:
         self.policies = {p.spec(): p for p in bound if p != HF}
         self.methods = list(dict.fromkeys(HF if p == HF else p.spec() for p in bound))
         check_config(config, model.shape.max_positions)
+        self.hf_model = self._hf_peer() if HF in self.methods else model
+
+    def _hf_peer(self) -> LoadedModel:
+        """The model `hf` runs: transformers as a user of this machine would load it. Where
+        `auto` chose bfloat16 for speedkv's kernels but the CPU has no bf16 products,
+        transformers' own layers would run bfloat16 as a plain loop (about 20x slower than
+        float32), so `hf` gets a float32 copy of the weights (twice the model's memory more)."""
+        model = self.model
+        wanted = resolve_dtype("auto", self.engine.device, native_decode=False)
+        if self.config.dtype != "auto" or wanted == model.dtype or model.backbone.int8_weights:
+            return model
+        self.notes = (
+            f"`hf` ran a {dtype_name(wanted)} copy of the weights: this CPU has no bf16 "
+            "products, and transformers' own layers would run bfloat16 as a plain loop.",
+        )
+        return wrap_model(
+            copy.deepcopy(model.hf_model).to(wanted), model.tokenizer, model.name, model.source
+        )
 
     # -- one measurement -------------------------------------------------------------------
     def measure(self, method: str, ids: list[int], new_tokens: int) -> dict:
         reset_peak_rss()
         if method == HF:
-            r = self.model.backbone.hf_generate_timed(
+            r = self.hf_model.backbone.hf_generate_timed(
                 torch.tensor([ids], device=self.engine.device), new_tokens
             )
-            per = self.model.shape.kv_bytes_per_token_layer(self.model.dtype)
+            per = self.model.shape.kv_bytes_per_token_layer(self.hf_model.dtype)
             row = {
                 "ttft_s": r["ttft_s"],
                 "tpot_s": r["tpot_s"],

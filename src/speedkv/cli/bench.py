@@ -71,7 +71,8 @@ BenchMethods = Annotated[
         "--methods",
         parse=parse_bench_methods,
         metavar="SPECS",
-        help=f"{METHODS_HELP} 'hf' is the model's own generate().",
+        help=f"{METHODS_HELP} 'hf' is the model's own generate() (with --dtype auto, in float32 "
+        "on a CPU without bf16 products, where transformers' bfloat16 layers are a plain loop).",
     ),
 ]
 

@@ -26,8 +26,19 @@ import time
 import traceback
 from typing import NoReturn
 
-# what the generators import, heaviest first; one that is missing is the script's to report
-PRELOAD = ("transformers", "nltk.tokenize", "scipy.special", "numpy", "wonderwords", "tqdm")
+# what the generators import, heaviest first; one that is missing is the script's to report.
+# `transformers` alone is lazy: its tokenizer classes, which every script loads, take seconds more
+PRELOAD = (
+    "transformers",
+    "transformers.models.auto.tokenization_auto",
+    "transformers.tokenization_utils_tokenizers",
+    "nltk.tokenize",
+    "scipy.special",
+    "numpy",
+    "wonderwords",
+    "tqdm",
+    "long_context_eval.pred.nemo_utils",
+)
 
 
 def preload() -> None:
