@@ -10,15 +10,18 @@ It runs from the source tree (nothing is installed; the engine's tests pass on t
 5.17, the newest a lent GPU machine has) and writes, under OUT:
 
 - `exactness.json`: the outcome of every reference test run with `--device` (the float32
-  tests of tests/test_engine_equivalence.py, test_batch.py, test_prefix_reuse.py and
-  test_methods_equivalence.py on tiny random Llama and Qwen2 models),
+  tests of tests/test_engine_equivalence.py, test_batch.py, test_prefix_reuse.py,
+  test_methods_equivalence.py and test_graph_decode.py on tiny random Llama and Qwen2
+  models); off the CPU, again with every decode step recorded (`exactness_recorded`),
 - `efficiency.json`: TTFT, TPOT (64 new tokens) and KV bytes per method and prompt length,
   batch 1, with same-run ratios against `full` and SPEED's layer limits; each method once
-  through the engine's decode step and once (`+graph`) through steps recorded as a CUDA
-  graph (core/graph_decode.py), against `full+graph`; a length or method
-  that runs out of memory or past the time budget is recorded as such,
+  through the engine as a user runs it (on a GPU its decode steps replay a recorded CUDA
+  graph, core/graph_decode.py) and once (`+eager`) with every step's kernels launched from
+  the host, against `full+eager`; a length or method that runs out of memory or past the
+  time budget is recorded as such,
 - `attention.json`: one decode query's attention over one layer's cache at the shortest and
-  longest length, by the engine's kernel and by torch's fused attention with each backend,
+  longest length, by the engine's kernel, by torch's fused attention with each backend, and
+  by two kernels a recorded step could use (the length on the device),
 - `profile.json`: torch's profiler over one prefill and one decode step per method: the
   operators that took the most device time, and how often the host waited for the device;
   and a decode step's time to issue against its time to finish.
@@ -95,8 +98,8 @@ RATIOS = {
     "kv_bytes_final": "kv_final_ratio",
 }
 TINY_LENGTHS = [64, 128]
-# a method name ending so decodes through core/graph_decode.py: one CUDA graph replay a step
-GRAPH = "+graph"
+# a method name ending so decodes without recorded steps: every kernel launched from the host
+EAGER = "+eager"
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -143,9 +146,11 @@ def main(argv: list[str] | None = None) -> int:
     status = 0  # 1 where the reference tests failed or could not run; the rest still runs
     if "exactness" not in skip:
         result = exactness(args)
+        if args.device != "cpu":  # again with every decode step the engine takes recorded
+            result["exactness_recorded"] = exactness(args, "always").get("exactness", {})
         write(args.out / "exactness.json", {**facts, **result})
-        summary = result.get("exactness", {})
-        status = int(summary.get("returncode") != 0 or summary.get("failed", 1) > 0)
+        summaries = [v for k, v in result.items() if k.startswith("exactness")] or [{}]
+        status = int(any(s.get("returncode") != 0 or s.get("failed", 1) > 0 for s in summaries))
     if skip >= {"efficiency", "attention", "profile"}:
         return status
     shape = TINY_SHAPE if args.tiny else PAPER_SHAPE
@@ -160,7 +165,7 @@ def main(argv: list[str] | None = None) -> int:
     log(f"random model built in {time.perf_counter() - start:.1f} s")
     lcut = shape["num_hidden_layers"] * 3 // 4  # the paper's 24 of 32
     methods = ["full", f"speed:lcut={lcut},anchors=bos,deep=1"]  # the paper's suffix
-    methods += [m + GRAPH for m in methods]  # the same, decoding through recorded steps
+    methods += [m + EAGER for m in methods]  # the same, each step launched from the host
     if "efficiency" not in skip:
         path = args.out / "efficiency.json"
         result = efficiency(
@@ -172,13 +177,15 @@ def main(argv: list[str] | None = None) -> int:
         result = decode_attention_kernels(shape, [min(lengths), max(lengths)], args.device)
         write(args.out / "attention.json", {**facts, **result})
     if "profile" not in skip:
-        plain = [m for m in methods if not m.endswith(GRAPH)]
+        plain = [m for m in methods if not m.endswith(EAGER)]
         write(args.out / "profile.json", {**facts, **profile(model, plain, min(lengths))})
     return status
 
 
 # -- the reference tests on the device -----------------------------------------------------------
-def exactness(args) -> dict:
+def exactness(args, recorded_decode: str | None = None) -> dict:
+    """The reference tests on `args.device`; with `recorded_decode`, the engine's decode mode
+    for them (Engine's recorded_decode, through SPEEDKV_RECORDED_DECODE)."""
     if importlib.util.find_spec("pytest") is None:
         if args.wheels is None:
             return {"error": "pytest is not installed here; give --wheels DIR"}
@@ -214,6 +221,8 @@ def exactness(args) -> dict:
     env.pop("PYTEST_ADDOPTS", None)  # the check's own options: a caller's could break or narrow it
     if args.device != "cpu":  # the native kernels are CPU code: not built where they never run
         env["SPEEDKV_KERNELS"] = "torch"
+    if recorded_decode is not None:
+        env["SPEEDKV_RECORDED_DECODE"] = recorded_decode
     start = time.perf_counter()
     try:
         done = subprocess.run(
@@ -242,7 +251,9 @@ def exactness(args) -> dict:
         last = tail.strip().splitlines()[-1:] or ["no output"]
         log(f"the reference tests did not run on {args.device} ({returncode}): {last[0]}")
     log(
-        f"reference tests on {args.device}: {summary['passed']} passed, "
+        f"reference tests on {args.device}"
+        f"{f' (recorded decode: {recorded_decode})' if recorded_decode else ''}: "
+        f"{summary['passed']} passed, "
         f"{summary['failed']} failed, {summary['skipped']} skipped in {seconds:.0f} s"
     )
     return {"exactness": summary}
@@ -308,10 +319,15 @@ def efficiency(
     """Every method at every length, the longest first (the paper's headline is the longest;
     a run cut short by the budget loses the short ones). `save` gets the rows so far after
     each run, so a check stopped from outside still leaves them."""
-    engine = Engine(model)
+    engines = {"": Engine(model), EAGER: Engine(model, recorded_decode="never")}
     vocab, layers = model.shape.vocab_size, model.shape.num_layers
+
+    def run_one(method: str, ids: list[int], new: int) -> dict:
+        engine = engines[EAGER if method.endswith(EAGER) else ""]
+        return timed_run(engine, method.removesuffix(EAGER), ids, new)
+
     for method in [*methods, "hf"]:  # first-call costs (kernel selection, allocator) out
-        run_one(engine, method, prompt(min(lengths), vocab, 0), 4)
+        run_one(method, prompt(min(lengths), vocab, 0), 4)
     start, rows = time.perf_counter(), []
     for n in sorted(lengths, reverse=True):
         ids = prompt(n, vocab, n)
@@ -319,7 +335,7 @@ def efficiency(
             if time.perf_counter() - start > budget_s:
                 rows.append({"method": method, "length": n, "status": "skipped: time budget"})
                 continue
-            row = {"method": method, "length": n, **run_one(engine, method, ids, new)}
+            row = {"method": method, "length": n, **run_one(method, ids, new)}
             rows.append(row)
             save({"runs": rows})
             log(
@@ -327,7 +343,7 @@ def efficiency(
                 f"TPOT {row.get('tpot_s')}, KV {row.get('kv_bytes')}"
             )
     for row in rows:  # same-run ratios against full, decoding the same way
-        reference = "full" + GRAPH if row["method"].endswith(GRAPH) else "full"
+        reference = "full" + EAGER if row["method"].endswith(EAGER) else "full"
         base = next(
             (
                 r
@@ -361,8 +377,9 @@ def efficiency(
     }
 
 
-def run_one(engine: Engine, method: str, ids: list[int], new: int) -> dict:
-    """One timed generation; out-of-memory is a result, not a crash."""
+def timed_run(engine: Engine, method: str, ids: list[int], new: int) -> dict:
+    """One timed generation; out-of-memory is a result, not a crash. TPOT counts the
+    recording of the decode step where the engine records one."""
     device = engine.device
     if device.type == "cuda":
         torch.cuda.empty_cache()
@@ -377,8 +394,6 @@ def run_one(engine: Engine, method: str, ids: list[int], new: int) -> dict:
                 "kv_bytes": None,
                 "kv_bytes_final": r["kv_bytes_final"],
             }
-        elif method.endswith(GRAPH):
-            row = recorded_run(engine, method.removesuffix(GRAPH), ids, new)
         else:
             policy = make_policy(method, engine.shape)
             sampling = SamplingParams(max_new_tokens=new, ignore_eos=True)
@@ -391,40 +406,18 @@ def run_one(engine: Engine, method: str, ids: list[int], new: int) -> dict:
             }
     except torch.OutOfMemoryError:
         return {"status": "out of memory"}
+    except (RuntimeError, ValueError) as error:  # one failed run is a row, not the end
+        log(f"{method} failed: {error!r}")
+        return {"status": f"failed: {str(error).splitlines()[0][:200]}"}
     row["status"] = "ok"
     if device.type == "cuda":
         row["peak_gib"] = round(torch.cuda.max_memory_allocated() / 2**30, 2)
     return row
 
 
-def recorded_run(engine: Engine, method: str, ids: list[int], new: int) -> dict:
-    """Greedy generation whose decode steps replay a recorded CUDA graph (run eagerly off
-    CUDA). TTFT is the prefill and the first token, as `Engine.generate` counts it; recording
-    the graph is timed apart (`record_s`), as an engine records its graphs before serving."""
-    policy = make_policy(method, engine.shape)
-    start = time.perf_counter()
-    done = engine.prefill_ids(ids, policy, spare=new)
-    token = int(done.logits.argmax())  # waits for the device
-    ttft, kv_bytes = time.perf_counter() - start, done.cache.nbytes()
-    start = time.perf_counter()
-    graph = GraphDecode(engine, [done.cache], [policy], [done.next_position], new - 1)
-    sync(engine.device)
-    record_s = time.perf_counter() - start
-    start = time.perf_counter()
-    for _ in range(new - 1):
-        token = int(graph.step([token])[0].argmax())
-    return {
-        "ttft_s": ttft,
-        "tpot_s": (time.perf_counter() - start) / max(1, new - 1),
-        "kv_bytes": kv_bytes,
-        "kv_bytes_final": done.cache.nbytes(),
-        "record_s": round(record_s, 3),
-    }
-
-
 def efficiency_table(result: dict) -> str:
     """efficiency.json as a markdown table: one row per length and method, same-run ratios
-    against `full` decoding the same way (`+graph`: through recorded steps), and SPEED's
+    against `full` decoding the same way (`+eager`: without recorded steps), and SPEED's
     layer limits."""
     label = {"hf": "transformers `generate` (SDPA)"}
     lines = [
@@ -489,9 +482,18 @@ def decode_attention_kernels(shape: dict, lengths: list[int], device: str, calls
         k = torch.randn((kv_heads, room, dim), generator=g, device=device, dtype=torch.bfloat16)
         v = torch.randn((kv_heads, room, dim), generator=g, device=device, dtype=torch.bfloat16)
         q = torch.randn((heads, 1, dim), generator=g, device=device, dtype=torch.bfloat16)
+        live = torch.tensor([n], dtype=torch.int32, device=device)
+        buffers = {  # read through the whole buffer, as a recorded step must
+            "flash, device length (recordable)": lambda q, _k, _v, kb=k, vb=v, live=live: (
+                recordable_flash(q, kb, vb, live)
+            ),
+            "matmul, masked (recordable)": lambda q, _k, _v, kb=k, vb=v, live=live: (
+                matmul_decode_attention(q, kb, vb, per_head=False, live=live)
+            ),
+        }
         k, v = k[:, :n], v[:, :n]
         reference = matmul_decode_attention(q, k, v, per_head=True).float()
-        for name, fn in candidates.items():
+        for name, fn in {**candidates, **buffers}.items():
             row = {"kernel": name, "length": n}
             try:
                 err = (fn(q, k, v).float() - reference).abs().max().item()
@@ -506,12 +508,29 @@ def decode_attention_kernels(shape: dict, lengths: list[int], device: str, calls
                     gb_per_s=round(2 * k.numel() * k.element_size() / seconds / 1e9, 1),
                     max_abs_diff=err,
                 )
-            except RuntimeError as error:  # a backend that does not take these tensors here
+            except (RuntimeError, TypeError) as error:  # a backend or op not available here
                 row["unavailable"] = str(error).splitlines()[0][:200]
             rows.append(row)
             log(f"decode attention @ {n}, {name}: {row.get('us', row.get('unavailable'))}")
         del k, v
     return {"decode_attention": rows}
+
+
+def recordable_flash(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, live: torch.Tensor
+) -> torch.Tensor:
+    """Flash attention of q [heads, 1, D] over the first `live` ([1] int32, on the device)
+    entries of a cache buffer k, v [kv_heads, capacity, D], through torch's variable-length
+    entry point: the length is read on the device, so a CUDA graph could record it. Measured
+    here only (a CUDA-only private op); the recorded step uses matmul_decode_attention."""
+    capacity = k.shape[1]
+    starts_q = torch.tensor([0, 1], dtype=torch.int32, device=q.device)
+    starts_k = torch.tensor([0, capacity], dtype=torch.int32, device=q.device)
+    out = torch.ops.aten._flash_attention_forward(
+        q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1), starts_q, starts_k,
+        1, capacity, 0.0, False, False, seqused_k=live,
+    )[0]  # fmt: skip
+    return out.transpose(0, 1)
 
 
 # -- where a step's time goes -------------------------------------------------------------------
@@ -536,8 +555,11 @@ def profile(model: LoadedModel, methods: list[str], length: int) -> dict:
         parts = {"decode_step_ms": step_times(plain_step, device)}
         fresh = make_policy(method, model.shape)
         done = engine.prefill_ids(ids, fresh, spare=16)
-        graph = GraphDecode(engine, [done.cache], [fresh], [done.next_position], 6)
-        parts["recorded_step_ms"] = step_times(lambda i, graph=graph: graph.step([5]), device)
+        try:
+            graph = GraphDecode(engine, [done.cache], [fresh], [done.next_position], 6)
+            parts["recorded_step_ms"] = step_times(lambda i, g=graph: g.step([5]), device)
+        except RuntimeError as error:  # the efficiency rows say what it cost the engine
+            parts["recorded_step_ms"] = {"failed": str(error).splitlines()[0][:200]}
         for part in ("prefill", "decode"):
             with torch_profile(activities=activities) as prof:
                 if part == "prefill":

@@ -1,13 +1,17 @@
 """The recordable decode step (core/graph_decode.py) against the engine's own decode step:
 the same logits, step after step, for every method it takes, alone and in a mixed batch; and
-a clear refusal for what it cannot follow. On the CPU the step runs eagerly; with
+a clear refusal for what it cannot follow; and the engine's generation loop through it, token
+for token the same as through its own step. On the CPU the step runs eagerly; with
 `--device cuda` it is recorded as a CUDA graph and replayed."""
 
 import pytest
 import torch
 
-from speedkv.core.graph_decode import GraphDecode
+from speedkv.core.engine import Engine, Request
+from speedkv.core.graph_decode import WIDTH, GraphDecode
 from speedkv.core.registry import make_policy
+from speedkv.core.sampling import SamplingParams
+from speedkv.errors import UserError
 
 from conftest import random_prompt
 
@@ -96,3 +100,69 @@ def test_free_slots_are_zeroed_so_masked_entries_stay_finite(tiny_engine):
             kv.v[:, kv.length :] = float("nan")
     graph = GraphDecode(tiny_engine, [fill.cache], [policy], [fill.next_position], 4)
     assert torch.isfinite(graph.step([1])).all()
+
+
+# -- the engine's generation loop through recorded steps -----------------------------------------
+def generate(tiny_engine, mode: str, specs: list[str], new: list[int], monkeypatch=None):
+    """Greedy generations of one batch, the engine recording its decode steps per `mode`; and
+    how many steps ran through Engine.decode_step instead."""
+    engine = Engine(tiny_engine.model, chunk_size=16, recorded_decode=mode)
+    eager = []
+    if monkeypatch is not None:
+        step = engine.decode_step
+        monkeypatch.setattr(engine, "decode_step", lambda *a: eager.append(1) or step(*a))
+    requests = [
+        Request(random_prompt(23 + 9 * i, seed=i), make_policy(spec, engine.shape),
+                SamplingParams(max_new_tokens=n, ignore_eos=True))
+        for i, (spec, n) in enumerate(zip(specs, new))
+    ]  # fmt: skip
+    return engine.generate(requests), len(eager)
+
+
+@pytest.mark.parametrize(
+    "specs, new",
+    [
+        (["full"], [9]),
+        (["speed:lcut=3,anchors=bos,deep=1"], [9]),
+        # the first leaves after 4 steps: the other two go on through a second recording
+        (["full", "speed:lcut=2,anchors=sink:2,deep=3", "fastkv:retain=0.5"], [5, 9, 12]),
+    ],
+)
+def test_generation_through_recorded_steps_equals_the_engines(tiny_engine, specs, new, monkeypatch):
+    want, _ = generate(tiny_engine, "never", specs, new)
+    got, eager = generate(tiny_engine, "always", specs, new, monkeypatch)
+    assert eager == 0
+    for w, g in zip(want, got):
+        assert g.output_ids == w.output_ids and len(g.output_ids) == len(w.output_ids)
+        assert (g.kv_bytes, g.kv_bytes_final) == (w.kv_bytes, w.kv_bytes_final)
+
+
+def test_a_batch_with_a_method_that_evicts_steps_eagerly(tiny_engine, monkeypatch):
+    specs, new = ["full", "h2o:heavy=0.3,recent=0.3"], [6, 6]
+    want, _ = generate(tiny_engine, "never", specs, new)
+    got, eager = generate(tiny_engine, "always", specs, new, monkeypatch)
+    assert eager == 5
+    assert [g.output_ids for g in got] == [w.output_ids for w in want]
+
+
+def test_a_cpu_engine_records_only_when_asked(tiny_engine, device, monkeypatch):
+    if device.type != "cpu":
+        pytest.skip("on a GPU 'auto' records")
+    _, eager = generate(tiny_engine, "auto", ["full"], [40], monkeypatch)
+    assert eager == 39
+
+
+def test_an_unknown_recorded_decode_mode_is_refused(tiny_engine):
+    with pytest.raises(UserError, match="'sometimes' is not one of auto, always, never"):
+        Engine(tiny_engine.model, recorded_decode="sometimes")
+
+
+def test_buffers_are_widened_to_an_aligned_width_and_keep_their_entries(tiny_engine):
+    policy = make_policy("speed:lcut=3,anchors=bos,deep=1", tiny_engine.shape)
+    fill = tiny_engine.prefill_ids(random_prompt(37), policy, spare=5)
+    before = [(kv.keys().clone(), kv.positions().clone()) for kv in fill.cache.layers]
+    assert any(kv.capacity % WIDTH for kv in fill.cache.layers)
+    GraphDecode(tiny_engine, [fill.cache], [policy], [fill.next_position], 5)
+    for kv, (keys, positions) in zip(fill.cache.layers, before):
+        assert kv.capacity % WIDTH == 0
+        assert torch.equal(kv.keys(), keys) and torch.equal(kv.positions(), positions)

@@ -136,13 +136,20 @@ class LayerKV:
     def allocated_bytes(self) -> int:
         return self.k.nbytes + self.v.nbytes
 
-    def _grow(self) -> None:
-        # Only reached when more tokens arrive than were reserved for; double the room.
+    def grow_to(self, capacity: int) -> None:
+        """Room for `capacity` entries (a smaller number changes nothing); the live entries
+        move to new buffers, the new slots are uninitialised."""
         heads, cap, dim = self.k.shape
-        extra = max(16, cap)
+        extra = capacity - cap
+        if extra <= 0:
+            return
         self.k = torch.cat([self.k, self.k.new_empty((heads, extra, dim))], 1)
         self.v = torch.cat([self.v, self.v.new_empty((heads, extra, dim))], 1)
         self.pos = torch.cat([self.pos, self.pos.new_empty((heads, extra))], 1)
+
+    def _grow(self) -> None:
+        # Only reached when more tokens arrive than were reserved for; double the room.
+        self.grow_to(self.capacity + max(16, self.capacity))
 
 
 class KVCache:

@@ -9,6 +9,7 @@ between steps; `Engine.run` and `Engine.generate` are built on it.
 
 from __future__ import annotations
 
+import os
 import time
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
@@ -19,7 +20,8 @@ import torch
 from speedkv.core.attention import batch_decode_attention, native_decode_takes
 from speedkv.core.cache import KVCache
 from speedkv.core.flops import decode_flops, prefill_flops
-from speedkv.core.policy import Policy, PromptInfo
+from speedkv.core.graph_decode import GraphDecode, why_not
+from speedkv.core.policy import Policy, PromptInfo, decode_plan, own_cache_only
 from speedkv.core.prefill import Prefill, PrefillRun
 from speedkv.core.prefix import CachedPrefix, PrefixCache, common_prefix
 from speedkv.core.registry import MethodSpec, make_policy, method_class, method_names
@@ -37,6 +39,14 @@ from speedkv.hf.text import Detokenizer, encode_messages, encode_prompt, find_st
 # process, on an Intel Xeon with AMX (benchmarks/prefill_chunks.py).
 # Elsewhere a chunk's attention mask grows with it, so the smaller chunk stays.
 CPU_CHUNK, CHUNK = 2048, 1024
+# When decode steps run as a recorded CUDA graph (core/graph_decode.py): "auto" on a GPU,
+# "always" on any device (elsewhere the same fixed-shape step runs eagerly, for checks),
+# "never". SPEEDKV_RECORDED_DECODE sets the default.
+RECORDED_DECODE = ("auto", "always", "never")
+# A recording took 45-100 ms on an H200 at Llama-3.1-8B's shape, 4-8 of its steps
+# (benchmarks/gpu/h200/efficiency.json, record_s), and saves 6-14 ms a step there: a batch
+# records only when it will take at least this many steps unchanged.
+MIN_RECORDED_STEPS = 16
 
 
 @dataclass
@@ -143,7 +153,12 @@ class Engine:
 
     `prepack=True` decodes on a copy of the weights packed for one-row products, as the CLI
     does by default: about twice as fast per token on a CPU, for a second copy of the linear
-    weights in memory. Left as None, the model's current setting (plain weights) is kept."""
+    weights in memory. Left as None, the model's current setting (plain weights) is kept.
+
+    `recorded_decode` (one of RECORDED_DECODE; default SPEEDKV_RECORDED_DECODE, else "auto"):
+    on a GPU, a batch whose sequences only append to their own caches decodes through one
+    recorded CUDA graph per step instead of ~30 kernel launches per layer, once it will run
+    at least MIN_RECORDED_STEPS steps unchanged (core/graph_decode.py; docs/gpu.md)."""
 
     def __init__(
         self,
@@ -152,7 +167,14 @@ class Engine:
         depth: int | None = None,
         prefix_cache: PrefixCache | None = None,
         prepack: bool | None = None,
+        recorded_decode: str | None = None,
     ):
+        recorded_decode = recorded_decode or os.environ.get("SPEEDKV_RECORDED_DECODE") or "auto"
+        if recorded_decode not in RECORDED_DECODE:
+            raise UserError(
+                f"recorded decode '{recorded_decode}' is not one of {', '.join(RECORDED_DECODE)}"
+            )
+        self.recorded_decode = recorded_decode
         self.model = model
         if prepack is not None:  # decode on prepacked weights (docs/engine.md)
             model.backbone.prepack_decode(prepack)
@@ -192,7 +214,7 @@ class Engine:
     def with_depth(self, depth: int) -> Engine:
         """The same model cut after its first `depth` layers (final norm and head on top):
         an early-exit probe or speculator that shares every weight."""
-        return Engine(self.model, self.chunk_size, depth)
+        return Engine(self.model, self.chunk_size, depth, recorded_decode=self.recorded_decode)
 
     def companion(self, name_or_path: str) -> Engine:
         """An engine for another model a method needs (SpecPrefill's speculator): an embedded
@@ -269,6 +291,21 @@ class Engine:
         else:
             h = self._layers_in_parts(h, cos, sin, caches, policies, plans, positions)
         return bb.logits(bb.final_norm(h[:, -1]))
+
+    def record_decode(
+        self, caches: list[KVCache], policies: list[Policy], positions: list[int], steps: int
+    ) -> GraphDecode | None:
+        """The next `steps` decode steps of this batch as a recorded step, or None where the
+        engine does not record here (`recorded_decode`), the batch will not run long enough
+        to repay the recording, or a sequence's method does more than append to its caches."""
+        mode = self.recorded_decode
+        if mode == "never" or (mode == "auto" and self.device.type != "cuda"):
+            return None
+        if steps < (1 if mode == "always" else MIN_RECORDED_STEPS):
+            return None
+        if any(why_not(self, p, c, steps) for p, c in zip(policies, caches)):
+            return None
+        return GraphDecode(self, caches, policies, positions, steps)
 
     def _layers_in_one_call(
         self, caches: list[KVCache], policies: list[Policy], h: torch.Tensor
@@ -494,6 +531,9 @@ class Batch:
     def __init__(self, engine: Engine):
         self.engine = engine
         self.running: dict[object, _Sequence] = {}
+        # the recorded step of the running sequences, in their order; dropped when one joins
+        # or leaves (its shapes and caches are those of the batch it was recorded for)
+        self._recorded: GraphDecode | None = None
 
     def __len__(self) -> int:
         return len(self.running)
@@ -536,6 +576,7 @@ class Batch:
         event = self._accept(seq, seq.sampler(done.logits), first=True)
         if seq.finish_reason is None:
             self.running[key] = seq
+            self._recorded = None
         else:
             self._finished(seq)
         return [event]
@@ -581,12 +622,16 @@ class Batch:
         seqs = list(self.running.values())
         if not seqs:
             return []
-        logits = self.engine.decode_step(
-            [s.cache for s in seqs],
-            [s.policy for s in seqs],
-            [s.output[-1] for s in seqs],
-            [s.next_pos for s in seqs],
-        )
+        caches, policies = [s.cache for s in seqs], [s.policy for s in seqs]
+        tokens, positions = [s.output[-1] for s in seqs], [s.next_pos for s in seqs]
+        if self._recorded is None or self._recorded.left == 0:
+            # every sequence runs until its token limit unless it stops early
+            steps = min(s.request.sampling.max_new_tokens - len(s.output) for s in seqs)
+            self._recorded = self.engine.record_decode(caches, policies, positions, steps)
+        if self._recorded is not None:
+            logits = self._recorded.step(tokens)
+        else:
+            logits = self.engine.decode_step(caches, policies, tokens, positions)
         events = [
             self._accept(seq, seq.sampler(row), first=False) for seq, row in zip(seqs, logits)
         ]
@@ -594,11 +639,13 @@ class Batch:
             if seq.finish_reason is not None:
                 del self.running[seq.key]
                 self._finished(seq)
+                self._recorded = None
         return events
 
     def cancel(self, key: object) -> None:
         """Drop a sequence (its cache goes with it)."""
-        self.running.pop(key, None)
+        if self.running.pop(key, None) is not None:
+            self._recorded = None
 
     def kv_bytes(self) -> int:
         return sum(seq.cache.nbytes() for seq in self.running.values())
@@ -638,27 +685,3 @@ def check_reusable(policy: Policy | type[Policy]) -> None:
             f"depends on the end of the prompt, or its reuse is not defined; caches of "
             f"{' and '.join(reusable)} can be reused"
         )
-
-
-def own_cache_only(policy: Policy, depth: int) -> str | None:
-    """Why a policy's decode does more than write each token's K/V into each layer's own cache
-    (K/V computed from another layer's input, a cache shared between layers, eviction after a
-    step); None when that is all it does."""
-    if type(policy).after_decode is not Policy.after_decode:
-        return "it changes its cache during decode"
-    for layer, (owner, kv_input, _) in enumerate(decode_plan(policy, depth)):
-        if owner != layer or kv_input is not None:
-            return f"layer {layer} does not append its own K/V during decode"
-    return None
-
-
-def decode_plan(policy: Policy, depth: int) -> list[tuple[int, tuple[int, int] | None, bool]]:
-    """Per layer: (cache owner, K/V input, keeps decode K/V); fixed for a policy, so cached."""
-    plan = getattr(policy, "_decode_plan", None)
-    if plan is None or len(plan) != depth:
-        plan = [
-            (policy.kv_owner(layer), policy.kv_input(layer), policy.keeps_decode_kv(layer))
-            for layer in range(depth)
-        ]
-        policy._decode_plan = plan
-    return plan

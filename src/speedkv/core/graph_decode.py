@@ -1,33 +1,52 @@
 """Decode steps a CUDA graph can replay: one launch per token instead of one per kernel.
 
-On an H100 the engine's decode step at Llama-3.1-8B's shape is bound by the host issuing its
-~930 kernels (docs/gpu.md): about 20 ms a token against about 13 ms of device work at 128K
-tokens, so SPEED's smaller cache does not show in the time per token. A CUDA graph records a
-step's kernels once and replays them with one call. Recording needs every shape and address
-fixed, so this step differs from `Engine.decode_step` in three ways:
+Launched kernel by kernel, the engine's decode step at Llama-3.1-8B's shape is bound by the
+host issuing its ~930 kernels: about 20 ms a token on an H100 and an H200 at every length,
+against 8 ms of device work at 16K tokens, so SPEED's smaller cache does not show in the time
+per token. A CUDA graph records a step's kernels once and replays them with one call: on the
+H200 the step then took 8.8 ms at 16K and 17.7 ms at 128K, and SPEED-24's 15.6 ms (docs/gpu.md).
+Recording needs every shape and address fixed, so this step differs from `Engine.decode_step`
+in three ways:
 
 - each layer writes its new key and value at the slot a device tensor names (`index_copy_`),
   not at a slot the host indexes;
 - attention reads the layer's whole buffer and masks the entries past the live length
-  (`attention.matmul_decode_attention` with `live`); the buffer's free slots are zeroed
-  first, so the masked ones are finite;
+  (`attention.matmul_decode_attention` with `live`); the buffer is widened to a multiple of
+  WIDTH and its free slots are zeroed first, so the masked ones are finite;
 - the token, the position and the live lengths are device tensors, advanced in place.
 
 The same step runs eagerly on any device (the tests hold it to `Engine.decode_step` on the
 CPU, and on CUDA with `--device cuda`) and is recorded and replayed on CUDA. It takes methods
 whose decode only appends to each layer's own cache (full, SPEED, and every method that
 changes only the prefill); methods that evict during decode, or share a cache between layers,
-are refused with the reason.
+are refused with the reason. The engine's batches decode through it on a GPU
+(`Engine.record_decode`).
 """
 
 from __future__ import annotations
+
+from typing import Any, Protocol
 
 import torch
 
 from speedkv.core.attention import matmul_decode_attention
 from speedkv.core.cache import KVCache
-from speedkv.core.engine import Engine, decode_plan, own_cache_only
-from speedkv.core.policy import Policy
+from speedkv.core.policy import Policy, decode_plan, own_cache_only
+
+# Each layer's buffer is attended whole, so its width is a dimension of both matrix products.
+# On an H200 at Llama-3.1-8B's shape a step over buffers of 131072 + 63 entries took 162 ms
+# against 16-18 ms over 131072 + 64 (benchmarks/gpu/h200/2-engine-odd-width and 3-engine):
+# buffers are widened to a multiple of this first.
+WIDTH = 64
+
+
+class Stepper(Protocol):
+    """What a recorded step needs of the engine (core/engine.py records through this module,
+    so it is named by what it offers, not imported)."""
+
+    backbone: Any
+    depth: int
+    device: torch.device
 
 
 class GraphDecode:
@@ -37,7 +56,7 @@ class GraphDecode:
     @torch.inference_mode()  # the caches are inference tensors
     def __init__(
         self,
-        engine: Engine,
+        engine: Stepper,
         caches: list[KVCache],
         policies: list[Policy],
         positions: list[int],
@@ -50,9 +69,10 @@ class GraphDecode:
             if refusal:
                 raise ValueError(f"{policy.spec()}: {refusal}")
         device = engine.device
-        for cache in caches:  # masked slots get weight 0, which must not meet a NaN
+        for cache in caches:
             for kv in cache.layers:
-                kv.k[:, kv.length :].zero_()
+                kv.grow_to(-(-kv.capacity // WIDTH) * WIDTH)
+                kv.k[:, kv.length :].zero_()  # masked slots get weight 0: it must not meet NaN
                 kv.v[:, kv.length :].zero_()
         self.tokens = torch.zeros(len(caches), dtype=torch.long, device=device)
         self.positions = torch.tensor(positions, dtype=torch.long, device=device)
@@ -62,6 +82,11 @@ class GraphDecode:
         self.logits: torch.Tensor | None = None
         if record if record is not None else device.type == "cuda":
             self._record()
+
+    @property
+    def left(self) -> int:
+        """Recorded steps not yet taken."""
+        return self.steps - self.taken
 
     @torch.inference_mode()
     def step(self, tokens: list[int] | torch.Tensor) -> torch.Tensor:
@@ -122,7 +147,7 @@ class GraphDecode:
             self.logits = self._step()  # recorded, not run
 
 
-def why_not(engine: Engine, policy: Policy, cache: KVCache, steps: int) -> str | None:
+def why_not(engine: Stepper, policy: Policy, cache: KVCache, steps: int) -> str | None:
     """Why this sequence cannot decode through a recorded step; None if it can."""
     refusal = own_cache_only(policy, engine.depth)
     if refusal is not None:

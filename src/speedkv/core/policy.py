@@ -195,3 +195,27 @@ class Policy:
 
     def after_decode(self, layer: int, q: torch.Tensor, kv: LayerKV) -> None:
         """Called after a decode token attended in `layer` (q: [Hq, 1, D]); eviction goes here."""
+
+
+def own_cache_only(policy: Policy, depth: int) -> str | None:
+    """Why a policy's decode does more than write each token's K/V into each layer's own cache
+    (K/V computed from another layer's input, a cache shared between layers, eviction after a
+    step); None when that is all it does."""
+    if type(policy).after_decode is not Policy.after_decode:
+        return "it changes its cache during decode"
+    for layer, (owner, kv_input, _) in enumerate(decode_plan(policy, depth)):
+        if owner != layer or kv_input is not None:
+            return f"layer {layer} does not append its own K/V during decode"
+    return None
+
+
+def decode_plan(policy: Policy, depth: int) -> list[tuple[int, tuple[int, int] | None, bool]]:
+    """Per layer: (cache owner, K/V input, keeps decode K/V); fixed for a policy, so cached."""
+    plan = getattr(policy, "_decode_plan", None)
+    if plan is None or len(plan) != depth:
+        plan = [
+            (policy.kv_owner(layer), policy.kv_input(layer), policy.keeps_decode_kv(layer))
+            for layer in range(depth)
+        ]
+        policy._decode_plan = plan
+    return plan
