@@ -166,3 +166,25 @@ def test_buffers_are_widened_to_an_aligned_width_and_keep_their_entries(tiny_eng
     for kv, (keys, positions) in zip(fill.cache.layers, before):
         assert kv.capacity % WIDTH == 0
         assert torch.equal(kv.keys(), keys) and torch.equal(kv.positions(), positions)
+
+
+def test_a_step_that_cannot_be_recorded_falls_back_to_launching_kernels(
+    tiny_engine, monkeypatch, capsys
+):
+    def refuse(*args, **kwargs):
+        raise RuntimeError("operation not permitted when stream is capturing")
+
+    monkeypatch.setattr(Engine, "records_graphs", True)  # as on a GPU
+    monkeypatch.setattr("speedkv.core.engine.GraphDecode", refuse)
+    want, _ = generate(tiny_engine, "never", ["full"], [20])
+    engine = Engine(tiny_engine.model, chunk_size=16)
+    requests = [
+        Request(random_prompt(23, seed=0), make_policy("full", engine.shape),
+                SamplingParams(max_new_tokens=20, ignore_eos=True))
+    ]  # fmt: skip
+    got = engine.generate(requests)
+    assert got[0].output_ids == want[0].output_ids
+    assert engine.recorded_decode == "never"
+    assert "cannot be recorded here, so they run kernel by kernel" in capsys.readouterr().err
+    with pytest.raises(RuntimeError, match="stream is capturing"):  # asked for: no fallback
+        generate(tiny_engine, "always", ["full"], [20])

@@ -32,6 +32,7 @@ from speedkv.hf import loading
 from speedkv.hf.fused import prefer_float32_products, use_tiles_above
 from speedkv.hf.loading import LoadedModel, wrap_model
 from speedkv.hf.text import Detokenizer, encode_messages, encode_prompt, find_stop
+from speedkv.log import log
 
 # Prefill rows per chunk. On a CPU the weight products of longer chunks run faster (oneDNN
 # blocks them better): SmolLM2 in bfloat16 prefilled 2048 and 8128 tokens in 0.88-1.03x the
@@ -43,9 +44,10 @@ CPU_CHUNK, CHUNK = 2048, 1024
 # "always" on any device (elsewhere the same fixed-shape step runs eagerly, for checks),
 # "never". SPEEDKV_RECORDED_DECODE sets the default.
 RECORDED_DECODE = ("auto", "always", "never")
-# A recording took 45-100 ms on an H200 at Llama-3.1-8B's shape, 4-8 of its steps
-# (benchmarks/gpu/h200/efficiency.json, record_s), and saves 6-14 ms a step there: a batch
-# records only when it will take at least this many steps unchanged.
+# A recording took 45-98 ms on an H200 at Llama-3.1-8B's shape, 4-8 of its steps, and saved
+# 5-32 ms a step against launching each kernel from the host
+# (benchmarks/gpu/h200/1-recorded-steps/efficiency.json, record_s): a batch records only when
+# it will take at least this many steps unchanged.
 MIN_RECORDED_STEPS = 16
 
 
@@ -211,6 +213,11 @@ class Engine:
     def device(self) -> torch.device:
         return self.backbone.device
 
+    @property
+    def records_graphs(self) -> bool:
+        """Whether this engine's device records CUDA graphs (what `auto` records on)."""
+        return self.device.type == "cuda"
+
     def with_depth(self, depth: int) -> Engine:
         """The same model cut after its first `depth` layers (final norm and head on top):
         an early-exit probe or speculator that shares every weight."""
@@ -299,13 +306,20 @@ class Engine:
         engine does not record here (`recorded_decode`), the batch will not run long enough
         to repay the recording, or a sequence's method does more than append to its caches."""
         mode = self.recorded_decode
-        if mode == "never" or (mode == "auto" and self.device.type != "cuda"):
+        if mode == "never" or (mode == "auto" and not self.records_graphs):
             return None
         if steps < (1 if mode == "always" else MIN_RECORDED_STEPS):
             return None
         if any(why_not(self, p, c, steps) for p, c in zip(policies, caches)):
             return None
-        return GraphDecode(self, caches, policies, positions, steps)
+        try:
+            return GraphDecode(self, caches, policies, positions, steps)
+        except RuntimeError as error:  # a model whose step cannot be recorded
+            if mode == "always":
+                raise
+            log(f"decode steps cannot be recorded here, so they run kernel by kernel: {error}")
+            self.recorded_decode = "never"
+            return None
 
     def _layers_in_one_call(
         self, caches: list[KVCache], policies: list[Policy], h: torch.Tensor
