@@ -177,3 +177,19 @@ def test_hf_runs_float32_where_the_cpu_has_no_bf16_products(monkeypatch, tmp_pat
     assert row["kv_bytes"] == len(ids) * model.shape.num_layers * per
     named = BenchConfig(model="tiny", methods=["hf"], lengths=[16], new_tokens=3, dtype="bfloat16")
     assert Bench(model, named, tmp_path).hf_model is model
+
+
+def test_a_gpu_bench_says_its_decode_steps_were_recorded(monkeypatch, tmp_path):
+    from speedkv.core.engine import Engine
+    from speedkv.hf.loading import LoadedModel
+
+    from conftest import tiny_model
+
+    model = LoadedModel(name="tiny", hf_model=tiny_model("llama").hf_model, tokenizer=None,
+                        source="memory")  # fmt: skip
+    config = BenchConfig(model="tiny", methods=["full"], lengths=[16], new_tokens=3, repeats=1)
+    assert not Bench(model, config, tmp_path).notes  # a CPU launches its kernels
+    monkeypatch.setattr(Engine, "records_graphs", True)  # as on a GPU
+    assert "recorded CUDA graph" in Bench(model, config, tmp_path).notes[0]
+    monkeypatch.setenv("SPEEDKV_RECORDED_DECODE", "never")
+    assert not Bench(model, config, tmp_path).notes

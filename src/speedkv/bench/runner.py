@@ -102,6 +102,12 @@ class Bench:
         self.policies = {p.spec(): p for p in bound if p != HF}
         self.methods = list(dict.fromkeys(HF if p == HF else p.spec() for p in bound))
         check_config(config, model.shape.max_positions)
+        if self.engine.records_graphs and self.engine.recorded_decode != "never":
+            self.notes += (
+                "Decode steps replayed a recorded CUDA graph, one launch a token, its recording "
+                "counted in TPOT (`SPEEDKV_RECORDED_DECODE=never` launches every kernel from the "
+                "host; docs/gpu.md).",
+            )
         self.hf_model = self._hf_peer() if HF in self.methods else model
 
     def _hf_peer(self) -> LoadedModel:
@@ -114,7 +120,7 @@ class Bench:
         wanted = resolve_dtype("auto", self.engine.device, native_decode=False)
         if self.config.dtype != "auto" or wanted == model.dtype or model.backbone.int8_weights:
             return model
-        self.notes = (
+        self.notes += (
             f"`hf` ran a {dtype_name(wanted)} copy of the weights: this CPU has no bf16 "
             "products, and transformers' own layers would run bfloat16 as a plain loop.",
         )
