@@ -16,9 +16,10 @@ It runs from the source tree (nothing is installed; the engine's tests pass on t
 - `efficiency.json`: TTFT, TPOT (64 new tokens) and KV bytes per method and prompt length,
   batch 1, with same-run ratios against `full` and SPEED's layer limits; each method once
   through the engine as a user runs it (on a GPU its decode steps replay a recorded CUDA
-  graph, core/graph_decode.py) and once (`+eager`) with every step's kernels launched from
-  the host, against `full+eager`; a length or method that runs out of memory or past the
-  time budget is recorded as such,
+  graph, core/graph_decode.py), once (`+eager`) with every step's kernels launched from the
+  host, against `full+eager`, and once (`+flash`) with the recorded steps attending by flash
+  attention with a device length, against `full+flash`; a length or method that runs out of
+  memory, fails or comes past the time budget is recorded as such,
 - `attention.json`: one decode query's attention over one layer's cache at the shortest and
   longest length, by the engine's kernel, by torch's fused attention with each backend, and
   by two kernels a recorded step could use (the length on the device),
@@ -52,6 +53,7 @@ sys.path.insert(0, str(ROOT / "src"))
 from speedkv.core.attention import (  # noqa: E402
     decode_attention,
     fused_decode_attention,
+    live_flash_decode_attention,
     matmul_decode_attention,
 )
 from speedkv.core.engine import Engine, Request  # noqa: E402
@@ -100,6 +102,9 @@ RATIOS = {
 TINY_LENGTHS = [64, 128]
 # a method name ending so decodes without recorded steps: every kernel launched from the host
 EAGER = "+eager"
+# ... and so decodes through recorded steps that attend by flash attention with a device length
+FLASH = "+flash"
+VARIANTS = (EAGER, FLASH)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -165,7 +170,7 @@ def main(argv: list[str] | None = None) -> int:
     log(f"random model built in {time.perf_counter() - start:.1f} s")
     lcut = shape["num_hidden_layers"] * 3 // 4  # the paper's 24 of 32
     methods = ["full", f"speed:lcut={lcut},anchors=bos,deep=1"]  # the paper's suffix
-    methods += [m + EAGER for m in methods]  # the same, each step launched from the host
+    methods += [m + v for v in VARIANTS for m in methods]  # the same, decoding otherwise
     if "efficiency" not in skip:
         path = args.out / "efficiency.json"
         result = efficiency(
@@ -177,7 +182,7 @@ def main(argv: list[str] | None = None) -> int:
         result = decode_attention_kernels(shape, [min(lengths), max(lengths)], args.device)
         write(args.out / "attention.json", {**facts, **result})
     if "profile" not in skip:
-        plain = [m for m in methods if not m.endswith(EAGER)]
+        plain = [m for m in methods if not m.endswith(VARIANTS)]
         write(args.out / "profile.json", {**facts, **profile(model, plain, min(lengths))})
     return status
 
@@ -319,12 +324,16 @@ def efficiency(
     """Every method at every length, the longest first (the paper's headline is the longest;
     a run cut short by the budget loses the short ones). `save` gets the rows so far after
     each run, so a check stopped from outside still leaves them."""
-    engines = {"": Engine(model), EAGER: Engine(model, recorded_decode="never")}
+    engines = {
+        "": Engine(model),
+        EAGER: Engine(model, recorded_decode="never"),
+        FLASH: Engine(model, recorded_attention="flash"),
+    }
     vocab, layers = model.shape.vocab_size, model.shape.num_layers
 
     def run_one(method: str, ids: list[int], new: int) -> dict:
-        engine = engines[EAGER if method.endswith(EAGER) else ""]
-        return timed_run(engine, method.removesuffix(EAGER), ids, new)
+        variant = next((v for v in VARIANTS if method.endswith(v)), "")
+        return timed_run(engines[variant], method.removesuffix(variant), ids, new)
 
     for method in [*methods, "hf"]:  # first-call costs (kernel selection, allocator) out
         run_one(method, prompt(min(lengths), vocab, 0), 4)
@@ -343,7 +352,8 @@ def efficiency(
                 f"TPOT {row.get('tpot_s')}, KV {row.get('kv_bytes')}"
             )
     for row in rows:  # same-run ratios against full, decoding the same way
-        reference = "full" + EAGER if row["method"].endswith(EAGER) else "full"
+        variant = next((v for v in VARIANTS if row["method"].endswith(v)), "")
+        reference = "full" + variant
         base = next(
             (
                 r
@@ -483,9 +493,14 @@ def decode_attention_kernels(shape: dict, lengths: list[int], device: str, calls
         v = torch.randn((kv_heads, room, dim), generator=g, device=device, dtype=torch.bfloat16)
         q = torch.randn((heads, 1, dim), generator=g, device=device, dtype=torch.bfloat16)
         live = torch.tensor([n], dtype=torch.int32, device=device)
+        starts = (  # flash's offsets of the query and of the buffer, and the live length
+            torch.tensor([0, 1], dtype=torch.int32, device=device),
+            torch.tensor([0, room], dtype=torch.int32, device=device),
+            live,
+        )
         buffers = {  # read through the whole buffer, as a recorded step must
-            "flash, device length (recordable)": lambda q, _k, _v, kb=k, vb=v, live=live: (
-                recordable_flash(q, kb, vb, live)
+            "flash, device length (recordable)": lambda q, _k, _v, kb=k, vb=v, at=starts: (
+                live_flash_decode_attention(q, kb, vb, at[2], at[:2])
             ),
             "matmul, masked (recordable)": lambda q, _k, _v, kb=k, vb=v, live=live: (
                 matmul_decode_attention(q, kb, vb, per_head=False, live=live)
@@ -516,23 +531,6 @@ def decode_attention_kernels(shape: dict, lengths: list[int], device: str, calls
     return {"decode_attention": rows}
 
 
-def recordable_flash(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, live: torch.Tensor
-) -> torch.Tensor:
-    """Flash attention of q [heads, 1, D] over the first `live` ([1] int32, on the device)
-    entries of a cache buffer k, v [kv_heads, capacity, D], through torch's variable-length
-    entry point: the length is read on the device, so a CUDA graph could record it. Measured
-    here only (a CUDA-only private op); the recorded step uses matmul_decode_attention."""
-    capacity = k.shape[1]
-    starts_q = torch.tensor([0, 1], dtype=torch.int32, device=q.device)
-    starts_k = torch.tensor([0, capacity], dtype=torch.int32, device=q.device)
-    out = torch.ops.aten._flash_attention_forward(
-        q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1), starts_q, starts_k,
-        1, capacity, 0.0, False, False, seqused_k=live,
-    )[0]  # fmt: skip
-    return out.transpose(0, 1)
-
-
 # -- where a step's time goes -------------------------------------------------------------------
 def profile(model: LoadedModel, methods: list[str], length: int) -> dict:
     from torch.profiler import ProfilerActivity
@@ -558,6 +556,7 @@ def profile(model: LoadedModel, methods: list[str], length: int) -> dict:
         try:
             graph = GraphDecode(engine, [done.cache], [fresh], [done.next_position], 6)
             parts["recorded_step_ms"] = step_times(lambda i, g=graph: g.step([5]), device)
+            parts["recorded_attention"] = graph.attention
         except RuntimeError as error:  # the efficiency rows say what it cost the engine
             parts["recorded_step_ms"] = {"failed": str(error).splitlines()[0][:200]}
         for part in ("prefill", "decode"):

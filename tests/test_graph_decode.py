@@ -4,9 +4,12 @@ a clear refusal for what it cannot follow; and the engine's generation loop thro
 for token the same as through its own step. On the CPU the step runs eagerly; with
 `--device cuda` it is recorded as a CUDA graph and replayed."""
 
+import copy
+
 import pytest
 import torch
 
+from speedkv.core.attention import matmul_decode_attention
 from speedkv.core.engine import Engine, Request
 from speedkv.core.graph_decode import WIDTH, GraphDecode
 from speedkv.core.registry import make_policy
@@ -18,7 +21,7 @@ from conftest import random_prompt
 STEPS = 6
 
 
-def decode_both(engine, prompts: list[list[int]], specs: list[str]):
+def decode_both(engine, prompts: list[list[int]], specs: list[str], flash: bool = False):
     """Greedy decode of each prompt under its method, once through Engine.decode_step and
     once through GraphDecode, both fed the reference's tokens; the logits of every step."""
     shape = engine.shape
@@ -27,7 +30,7 @@ def decode_both(engine, prompts: list[list[int]], specs: list[str]):
     ref_fill = [engine.prefill_ids(p, pol, spare=STEPS) for p, pol in zip(prompts, ref)]
     rec_fill = [engine.prefill_ids(p, pol, spare=STEPS) for p, pol in zip(prompts, rec)]
     positions = [f.next_position for f in ref_fill]
-    graph = GraphDecode(engine, [f.cache for f in rec_fill], rec, positions, STEPS)
+    graph = GraphDecode(engine, [f.cache for f in rec_fill], rec, positions, STEPS, flash=flash)
     tokens = [int(f.logits.argmax()) for f in ref_fill]
     steps = []
     for step in range(STEPS):
@@ -152,9 +155,12 @@ def test_a_cpu_engine_records_only_when_asked(tiny_engine, device, monkeypatch):
     assert eager == 39
 
 
-def test_an_unknown_recorded_decode_mode_is_refused(tiny_engine):
+def test_an_unknown_recorded_decode_mode_is_refused(tiny_engine, monkeypatch):
     with pytest.raises(UserError, match="'sometimes' is not one of auto, always, never"):
         Engine(tiny_engine.model, recorded_decode="sometimes")
+    monkeypatch.setenv("SPEEDKV_RECORDED_ATTENTION", "fast")
+    with pytest.raises(UserError, match="recorded attention 'fast' is not one of matmul, flash"):
+        Engine(tiny_engine.model)
 
 
 def test_buffers_are_widened_to_an_aligned_width_and_keep_their_entries(tiny_engine):
@@ -188,3 +194,96 @@ def test_a_step_that_cannot_be_recorded_falls_back_to_launching_kernels(
     assert "cannot be recorded here, so they run kernel by kernel" in capsys.readouterr().err
     with pytest.raises(RuntimeError, match="stream is capturing"):  # asked for: no fallback
         generate(tiny_engine, "always", ["full"], [20])
+
+
+# -- flash attention with a device length (CUDA only: a CPU stands in for torch's kernel) -------
+def stand_in_flash(reads_to: str = "live"):
+    """torch's variable-length flash attention as the recorded step calls it, computed per
+    head; `reads_to="width"` reads the whole buffer, as a kernel ignoring the length would."""
+
+    def run(q, k, v, query_starts, key_starts, max_q, max_k, dropout, causal, debug, **kw):
+        live = kw["seqused_k"]
+        assert live.dtype == torch.int32 and query_starts.tolist() == [0, 1] and max_q == 1
+        assert key_starts.tolist() == [0, k.shape[0]] == [0, max_k] and q.shape[0] == 1
+        n = int(live[0]) if reads_to == "live" else k.shape[0]
+        keys, values = k.transpose(0, 1)[:, :n], v.transpose(0, 1)[:, :n]
+        out = matmul_decode_attention(q.transpose(0, 1), keys, values, per_head=True)
+        return out.transpose(0, 1), None, None, None, None
+
+    return run
+
+
+@pytest.mark.parametrize(
+    "kernel, used",
+    [(stand_in_flash(), "flash"), (stand_in_flash("width"), "matmul"), (None, "matmul")],
+)
+def test_flash_with_a_device_length_runs_only_where_it_matches(tiny_engine, monkeypatch,
+                                                               kernel, used):  # fmt: skip
+    def missing(*args, **kwargs):
+        raise RuntimeError("no flash attention here")
+
+    monkeypatch.setattr("speedkv.core.graph_decode.flash_takes", lambda cache: True)
+    monkeypatch.setattr("speedkv.core.graph_decode._NO_FLASH", set())
+    calls = []
+    counted = lambda *a, **kw: calls.append(1) or (kernel or missing)(*a, **kw)  # noqa: E731
+    monkeypatch.setattr("speedkv.core.attention._varlen_flash", counted)
+    specs = ["full", "speed:lcut=3,anchors=bos,deep=1"]
+    prompts = [random_prompt(n, seed=n) for n in (11, 40)]
+    steps, ref, rec = decode_both(tiny_engine, prompts, specs, flash=True)
+    for want, got in steps:
+        assert (got - want).abs().max() < 1e-4
+    # one probe, then (if it matched) every layer of every sequence at every step
+    layers = tiny_engine.depth
+    assert len(calls) == (1 + STEPS * 2 * layers if used == "flash" else 1)
+    policy = make_policy("full", tiny_engine.shape)
+    fill = tiny_engine.prefill_ids(random_prompt(9), policy, spare=2)
+    graph = GraphDecode(tiny_engine, [fill.cache], [policy], [fill.next_position], 2, flash=True)
+    assert graph.attention == used
+    fill = tiny_engine.prefill_ids(random_prompt(9), policy, spare=2)
+    plain = GraphDecode(tiny_engine, [fill.cache], [policy], [fill.next_position], 2)
+    assert plain.attention == "matmul"  # flash only when asked for
+
+
+def test_a_flash_recording_that_fails_is_made_again_with_matrix_products(tiny_engine,
+                                                                        monkeypatch):  # fmt: skip
+    tried = []
+
+    def record(graph):  # a GPU's recording, where flash attention cannot be recorded
+        tried.append(graph.attention)
+        if graph.attention == "flash":
+            raise RuntimeError("operation not permitted when stream is capturing")
+
+    monkeypatch.setattr("speedkv.core.graph_decode.flash_takes", lambda cache: True)
+    monkeypatch.setattr("speedkv.core.graph_decode._NO_FLASH", set())
+    monkeypatch.setattr("speedkv.core.attention._varlen_flash", stand_in_flash())
+    monkeypatch.setattr(GraphDecode, "_record", record)
+    policy = make_policy("full", tiny_engine.shape)
+    fill = tiny_engine.prefill_ids(random_prompt(9), policy, spare=2)
+    args = (tiny_engine, [fill.cache], [policy], [fill.next_position], 2)
+    graph = GraphDecode(*args, record=True, flash=True)
+    assert tried == ["flash", "matmul"] and graph.attention == "matmul"
+    again = GraphDecode(*args, record=True, flash=True)
+    assert again.attention == "matmul" and tried[2:] == ["matmul"]  # not tried again
+
+
+def test_half_precision_steps_attend_by_flash_where_asked_and_agree(tiny, device):
+    """On a GPU, flash attention with a device length inside a recorded step against the
+    masked matrix products; on a CPU both are the products (flash takes no CPU cache)."""
+    from speedkv.hf.loading import LoadedModel
+
+    half = LoadedModel(name="tiny-bf16", hf_model=copy.deepcopy(tiny.hf_model).to(torch.bfloat16),
+                       tokenizer=None, source="memory")  # fmt: skip
+    engine = Engine(half, chunk_size=16)
+    spec, prompt = "speed:lcut=3,anchors=bos,deep=1", random_prompt(37)
+    runs = []
+    for flash in (True, False):
+        policy = make_policy(spec, engine.shape)
+        fill = engine.prefill_ids(prompt, policy, spare=STEPS)
+        graph = GraphDecode(
+            engine, [fill.cache], [policy], [fill.next_position], STEPS, flash=flash
+        )
+        runs.append((graph.attention, [graph.step([5 + step]) for step in range(STEPS)]))
+    (kind, with_flash), (_, products) = runs
+    assert kind == ("flash" if device.type == "cuda" else "matmul")
+    for got, want in zip(with_flash, products):  # both fed the same tokens
+        assert (got - want).abs().max() <= 0.05 * want.abs().max()

@@ -44,6 +44,11 @@ CPU_CHUNK, CHUNK = 2048, 1024
 # "always" on any device (elsewhere the same fixed-shape step runs eagerly, for checks),
 # "never". SPEEDKV_RECORDED_DECODE sets the default.
 RECORDED_DECODE = ("auto", "always", "never")
+# How a recorded step attends: two masked matrix products (measured on an H200, docs/gpu.md),
+# or flash attention with a device length where it matches them on the batch's own cache
+# (faster alone on the H200, 204 against 324 us a layer at 128K; not yet timed in a recorded
+# step). SPEEDKV_RECORDED_ATTENTION sets the default.
+RECORDED_ATTENTION = ("matmul", "flash")
 # A recording took 45-98 ms on an H200 at Llama-3.1-8B's shape, 4-8 of its steps, and saved
 # 5-32 ms a step against launching each kernel from the host
 # (benchmarks/gpu/h200/1-recorded-steps/efficiency.json, record_s): a batch records only when
@@ -160,7 +165,9 @@ class Engine:
     `recorded_decode` (one of RECORDED_DECODE; default SPEEDKV_RECORDED_DECODE, else "auto"):
     on a GPU, a batch whose sequences only append to their own caches decodes through one
     recorded CUDA graph per step instead of ~30 kernel launches per layer, once it will run
-    at least MIN_RECORDED_STEPS steps unchanged (core/graph_decode.py; docs/gpu.md)."""
+    at least MIN_RECORDED_STEPS steps unchanged (core/graph_decode.py; docs/gpu.md).
+    `recorded_attention` (RECORDED_ATTENTION; default SPEEDKV_RECORDED_ATTENTION, else
+    "matmul"): how such a step attends."""
 
     def __init__(
         self,
@@ -170,13 +177,15 @@ class Engine:
         prefix_cache: PrefixCache | None = None,
         prepack: bool | None = None,
         recorded_decode: str | None = None,
+        recorded_attention: str | None = None,
     ):
-        recorded_decode = recorded_decode or os.environ.get("SPEEDKV_RECORDED_DECODE") or "auto"
-        if recorded_decode not in RECORDED_DECODE:
-            raise UserError(
-                f"recorded decode '{recorded_decode}' is not one of {', '.join(RECORDED_DECODE)}"
-            )
-        self.recorded_decode = recorded_decode
+        self.recorded_decode = _choice(
+            "recorded decode", recorded_decode, "SPEEDKV_RECORDED_DECODE", RECORDED_DECODE
+        )
+        self.recorded_attention = _choice(
+            "recorded attention", recorded_attention, "SPEEDKV_RECORDED_ATTENTION",
+            RECORDED_ATTENTION,
+        )  # fmt: skip
         self.model = model
         if prepack is not None:  # decode on prepacked weights (docs/engine.md)
             model.backbone.prepack_decode(prepack)
@@ -221,7 +230,13 @@ class Engine:
     def with_depth(self, depth: int) -> Engine:
         """The same model cut after its first `depth` layers (final norm and head on top):
         an early-exit probe or speculator that shares every weight."""
-        return Engine(self.model, self.chunk_size, depth, recorded_decode=self.recorded_decode)
+        return Engine(
+            self.model,
+            self.chunk_size,
+            depth,
+            recorded_decode=self.recorded_decode,
+            recorded_attention=self.recorded_attention,
+        )
 
     def companion(self, name_or_path: str) -> Engine:
         """An engine for another model a method needs (SpecPrefill's speculator): an embedded
@@ -313,7 +328,8 @@ class Engine:
         if any(why_not(self, p, c, steps) for p, c in zip(policies, caches)):
             return None
         try:
-            return GraphDecode(self, caches, policies, positions, steps)
+            flash = self.recorded_attention == "flash"
+            return GraphDecode(self, caches, policies, positions, steps, flash=flash)
         except RuntimeError as error:  # a model whose step cannot be recorded
             if mode == "always":
                 raise
@@ -687,6 +703,14 @@ class Batch:
         elif seq.finish_reason is None and len(seq.output) >= params.max_new_tokens:
             seq.finish_reason = "length"
         return TokenEvent(seq.key, token, delta, seq.result() if seq.finish_reason else None)
+
+
+def _choice(what: str, given: str | None, variable: str, choices: tuple[str, ...]) -> str:
+    """`given`, else the environment's `variable`, else the first choice; checked."""
+    value = given or os.environ.get(variable) or choices[0]
+    if value not in choices:
+        raise UserError(f"{what} '{value}' is not one of {', '.join(choices)}")
+    return value
 
 
 def check_reusable(policy: Policy | type[Policy]) -> None:

@@ -10,9 +10,12 @@ in three ways:
 
 - each layer writes its new key and value at the slot a device tensor names (`index_copy_`),
   not at a slot the host indexes;
-- attention reads the layer's whole buffer and masks the entries past the live length
-  (`attention.matmul_decode_attention` with `live`); the buffer is widened to a multiple of
-  WIDTH and its free slots are zeroed first, so the masked ones are finite;
+- attention reads the layer's whole buffer and counts only the entries before the live
+  length, a device tensor: two matrix products that mask the rest
+  (`attention.matmul_decode_attention` with `live`), or, asked for (`flash`), flash
+  attention's variable-length form on a GPU in half precision where it gives the same output
+  on the batch's own cache; the buffer is widened to a multiple of WIDTH and its free slots
+  are zeroed first, so the masked ones are finite;
 - the token, the position and the live lengths are device tensors, advanced in place.
 
 The same step runs eagerly on any device (the tests hold it to `Engine.decode_step` on the
@@ -29,15 +32,22 @@ from typing import Any, Protocol
 
 import torch
 
-from speedkv.core.attention import matmul_decode_attention
+from speedkv.core.attention import (
+    flash_takes,
+    live_flash_decode_attention,
+    matmul_decode_attention,
+)
 from speedkv.core.cache import KVCache
 from speedkv.core.policy import Policy, decode_plan, own_cache_only
+from speedkv.log import log
 
 # Each layer's buffer is attended whole, so its width is a dimension of both matrix products.
 # On an H200 at Llama-3.1-8B's shape a step over buffers of 131072 + 63 entries took 162 ms
 # against 16-18 ms over 131072 + 64 (benchmarks/gpu/h200/2-engine-odd-width and 3-engine):
 # buffers are widened to a multiple of this first.
 WIDTH = 64
+# devices and dtypes where flash attention with a device length failed: not tried again
+_NO_FLASH: set[tuple[torch.device, torch.dtype]] = set()
 
 
 class Stepper(Protocol):
@@ -51,7 +61,9 @@ class Stepper(Protocol):
 
 class GraphDecode:
     """`steps` decode steps for a fixed batch of prefilled caches, recorded as one CUDA graph
-    on a GPU (`record`, default: on CUDA) and run eagerly elsewhere."""
+    on a GPU (`record`, default: on CUDA) and run eagerly elsewhere. `flash`: attend by flash
+    attention with a device length where it matches the matrix products (`attention` says
+    which runs)."""
 
     @torch.inference_mode()  # the caches are inference tensors
     def __init__(
@@ -62,6 +74,7 @@ class GraphDecode:
         positions: list[int],
         steps: int,
         record: bool | None = None,
+        flash: bool = False,
     ):
         self.engine, self.caches, self.steps, self.taken = engine, caches, steps, 0
         for policy, cache in zip(policies, caches):
@@ -78,10 +91,27 @@ class GraphDecode:
         self.positions = torch.tensor(positions, dtype=torch.long, device=device)
         self.live = torch.tensor([c.lengths() for c in caches], dtype=torch.long, device=device)
         self.bound = max(positions) + steps + 1  # above every position the steps will see
+        # where the starts of the query and of each buffer width (flash's offsets) live
+        self.starts = {
+            kv.capacity: torch.tensor([0, kv.capacity], dtype=torch.int32, device=device)
+            for cache in caches
+            for kv in cache.layers
+        }
+        self.query_start = torch.tensor([0, 1], dtype=torch.int32, device=device)
+        self.attention = "flash" if flash and self._flash_agrees() else "matmul"
         self.graph: torch.cuda.CUDAGraph | None = None
         self.logits: torch.Tensor | None = None
         if record if record is not None else device.type == "cuda":
-            self._record()
+            try:
+                self._record()
+            except RuntimeError as error:
+                if self.attention != "flash":
+                    raise
+                first = str(error).splitlines()[0] if str(error) else type(error).__name__
+                log(f"flash attention could not be recorded, matrix products are: {first}")
+                _NO_FLASH.add((self.caches[0].layers[0].k.device, self.caches[0].layers[0].k.dtype))
+                self.attention, self.graph = "matmul", None
+                self._record()
 
     @property
     def left(self) -> int:
@@ -125,11 +155,41 @@ class GraphDecode:
                 kv.v.index_copy_(1, slot, vb)
                 position = self.positions[b].to(torch.int32).reshape(1, 1)
                 kv.pos.index_copy_(1, slot, position.expand(kv.pos.shape[0], 1))
-                outs.append(matmul_decode_attention(q[b], kv.k, kv.v, live=slot + 1))
+                outs.append(self._attend(q[b], kv.k, kv.v, slot + 1))
             h = bb.after_attention(layer, h, torch.stack(outs))
         self.live += 1
         self.positions += 1
         return bb.logits(bb.final_norm(h[:, -1]))
+
+    def _attend(
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, live: torch.Tensor
+    ) -> torch.Tensor:
+        if self.attention == "flash":
+            starts = (self.query_start, self.starts[k.shape[1]])
+            return live_flash_decode_attention(q, k, v, live.to(torch.int32), starts)
+        return matmul_decode_attention(q, k, v, live=live)
+
+    def _flash_agrees(self) -> bool:
+        """Whether flash attention with a device length may run this batch's attention: a
+        half-precision cache on a GPU, and on the first layer's own buffer the same output as
+        the matrix products (a torch without the entry point, or one that read past the
+        length, would differ: the free slots hold zeros, which would get weight)."""
+        kv = self.caches[0].layers[0]
+        if not flash_takes(kv.k) or kv.length == 0 or (kv.k.device, kv.k.dtype) in _NO_FLASH:
+            return False
+        g = torch.Generator(device=kv.k.device).manual_seed(0)
+        q = torch.randn(kv.k.shape[0], 1, kv.k.shape[2], generator=g, device=kv.k.device)
+        q = q.to(kv.k.dtype)
+        live = torch.tensor([kv.length], device=kv.k.device)
+        want = matmul_decode_attention(q, kv.k, kv.v, per_head=False, live=live).float()
+        starts = (self.query_start, self.starts[kv.capacity])
+        try:
+            got = live_flash_decode_attention(q, kv.k, kv.v, live.to(torch.int32), starts)
+        except (RuntimeError, TypeError) as error:  # not in this torch, or not for this shape
+            log(f"recorded decode steps attend by matrix products: {error}".splitlines()[0])
+            _NO_FLASH.add((kv.k.device, kv.k.dtype))
+            return False
+        return bool((got.float() - want).abs().max() <= 1e-2 * max(1.0, want.abs().max().item()))
 
     def _record(self) -> None:
         """Record one step as a CUDA graph. A first run on a side stream sets up what
