@@ -91,7 +91,8 @@ class GraphDecode:
         self.positions = torch.tensor(positions, dtype=torch.long, device=device)
         self.live = torch.tensor([c.lengths() for c in caches], dtype=torch.long, device=device)
         self.bound = max(positions) + steps + 1  # above every position the steps will see
-        # where the starts of the query and of each buffer width (flash's offsets) live
+        # flash's int32 offsets of a buffer of each width, and of the query (made before any
+        # recording: a recording cannot copy from the host)
         self.starts = {
             kv.capacity: torch.tensor([0, kv.capacity], dtype=torch.int32, device=device)
             for cache in caches
