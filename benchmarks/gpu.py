@@ -332,7 +332,7 @@ def efficiency(
     vocab, layers = model.shape.vocab_size, model.shape.num_layers
 
     def run_one(method: str, ids: list[int], new: int) -> dict:
-        variant = next((v for v in VARIANTS if method.endswith(v)), "")
+        variant = variant_of(method)
         return timed_run(engines[variant], method.removesuffix(variant), ids, new)
 
     for method in [*methods, "hf"]:  # first-call costs (kernel selection, allocator) out
@@ -352,8 +352,7 @@ def efficiency(
                 f"TPOT {row.get('tpot_s')}, KV {row.get('kv_bytes')}"
             )
     for row in rows:  # same-run ratios against full, decoding the same way
-        variant = next((v for v in VARIANTS if row["method"].endswith(v)), "")
-        reference = "full" + variant
+        reference = "full" + variant_of(row["method"])
         base = next(
             (
                 r
@@ -385,6 +384,11 @@ def efficiency(
         "layer_limits": limits,
         "seconds": round(time.perf_counter() - start, 1),
     }
+
+
+def variant_of(method: str) -> str:
+    """The way a method name says to decode (one of VARIANTS), or "" for the engine's own."""
+    return next((v for v in VARIANTS if method.endswith(v)), "")
 
 
 def timed_run(engine: Engine, method: str, ids: list[int], new: int) -> dict:
@@ -493,14 +497,13 @@ def decode_attention_kernels(shape: dict, lengths: list[int], device: str, calls
         v = torch.randn((kv_heads, room, dim), generator=g, device=device, dtype=torch.bfloat16)
         q = torch.randn((heads, 1, dim), generator=g, device=device, dtype=torch.bfloat16)
         live = torch.tensor([n], dtype=torch.int32, device=device)
-        starts = (  # flash's offsets of the query and of the buffer, and the live length
+        starts = (  # flash's offsets of the query and of the buffer
             torch.tensor([0, 1], dtype=torch.int32, device=device),
             torch.tensor([0, room], dtype=torch.int32, device=device),
-            live,
         )
         buffers = {  # read through the whole buffer, as a recorded step must
-            "flash, device length (recordable)": lambda q, _k, _v, kb=k, vb=v, at=starts: (
-                live_flash_decode_attention(q, kb, vb, at[2], at[:2])
+            "flash, device length (recordable)": lambda q, _k, _v, kb=k, vb=v, n=live, at=starts: (
+                live_flash_decode_attention(q, kb, vb, n, at)
             ),
             "matmul, masked (recordable)": lambda q, _k, _v, kb=k, vb=v, live=live: (
                 matmul_decode_attention(q, kb, vb, per_head=False, live=live)

@@ -114,12 +114,16 @@ def generate(tiny_engine, mode: str, specs: list[str], new: list[int], monkeypat
     if monkeypatch is not None:
         step = engine.decode_step
         monkeypatch.setattr(engine, "decode_step", lambda *a: eager.append(1) or step(*a))
-    requests = [
+    return engine.generate(batch(engine, specs, new)), len(eager)
+
+
+def batch(engine, specs: list[str], new: list[int]) -> list[Request]:
+    """One greedy request per method, each with its own prompt and token limit."""
+    return [
         Request(random_prompt(23 + 9 * i, seed=i), make_policy(spec, engine.shape),
                 SamplingParams(max_new_tokens=n, ignore_eos=True))
         for i, (spec, n) in enumerate(zip(specs, new))
     ]  # fmt: skip
-    return engine.generate(requests), len(eager)
 
 
 @pytest.mark.parametrize(
@@ -184,11 +188,7 @@ def test_a_step_that_cannot_be_recorded_falls_back_to_launching_kernels(
     monkeypatch.setattr("speedkv.core.engine.GraphDecode", refuse)
     want, _ = generate(tiny_engine, "never", ["full"], [20])
     engine = Engine(tiny_engine.model, chunk_size=16)
-    requests = [
-        Request(random_prompt(23, seed=0), make_policy("full", engine.shape),
-                SamplingParams(max_new_tokens=20, ignore_eos=True))
-    ]  # fmt: skip
-    got = engine.generate(requests)
+    got = engine.generate(batch(engine, ["full"], [20]))
     assert got[0].output_ids == want[0].output_ids
     assert engine.recorded_decode == "never"
     assert "cannot be recorded here, so they run kernel by kernel" in capsys.readouterr().err

@@ -93,11 +93,8 @@ class GraphDecode:
         self.bound = max(positions) + steps + 1  # above every position the steps will see
         # flash's int32 offsets of a buffer of each width, and of the query (made before any
         # recording: a recording cannot copy from the host)
-        self.starts = {
-            kv.capacity: torch.tensor([0, kv.capacity], dtype=torch.int32, device=device)
-            for cache in caches
-            for kv in cache.layers
-        }
+        widths = {kv.capacity for cache in caches for kv in cache.layers} if flash else ()
+        self.starts = {w: torch.tensor([0, w], dtype=torch.int32, device=device) for w in widths}
         self.query_start = torch.tensor([0, 1], dtype=torch.int32, device=device)
         self.attention = "flash" if flash and self._flash_agrees() else "matmul"
         self.graph: torch.cuda.CUDAGraph | None = None
@@ -109,9 +106,7 @@ class GraphDecode:
                 if self.attention != "flash":
                     raise
                 first = str(error).splitlines()[0] if str(error) else type(error).__name__
-                log(f"flash attention could not be recorded, matrix products are: {first}")
-                first_layer = self.caches[0].layers[0]
-                _NO_FLASH.add((first_layer.k.device, first_layer.k.dtype))
+                _give_up_flash(self.caches[0].layers[0].k, f"it could not be recorded: {first}")
                 self.attention, self.graph = "matmul", None
                 self._record()
 
@@ -188,15 +183,12 @@ class GraphDecode:
         try:
             got = live_flash_decode_attention(q, kv.k, kv.v, live.to(torch.int32), starts)
         except (RuntimeError, TypeError) as error:  # not in this torch, or not for this shape
-            log(f"recorded decode steps attend by matrix products: {error}".splitlines()[0])
-            _NO_FLASH.add((kv.k.device, kv.k.dtype))
+            _give_up_flash(kv.k, str(error).splitlines()[0])
             return False
         gap, scale = (got.float() - want).abs().max().item(), want.abs().max().item()
         if gap <= 1e-2 * max(1.0, scale):
             return True
-        log(f"recorded decode steps attend by matrix products: flash attention with a device "
-            f"length differed from them by {gap:.3g} here")  # fmt: skip
-        _NO_FLASH.add((kv.k.device, kv.k.dtype))
+        _give_up_flash(kv.k, f"it differed from the matrix products by {gap:.3g} here")
         return False
 
     def _record(self) -> None:
@@ -213,6 +205,13 @@ class GraphDecode:
         self.graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(self.graph):
             self.logits = self._step()  # recorded, not run
+
+
+def _give_up_flash(cache: torch.Tensor, why: str) -> None:
+    """Say once why recorded steps on this device and dtype attend by matrix products, and
+    do not try flash attention there again."""
+    log(f"recorded decode steps attend by matrix products, not flash attention: {why}")
+    _NO_FLASH.add((cache.device, cache.dtype))
 
 
 def why_not(engine: Stepper, policy: Policy, cache: KVCache, steps: int) -> str | None:
