@@ -37,8 +37,11 @@ Sweeps take hours. `--archive` stores each part's answers so far beside the lead
 resumes from them, so a long sweep can go on on another machine. `--render` keeps the published
 rows (results.json) of sweeps whose runs are not under --work.
 
---jobs N splits each sweep's tasks into N processes of one thread each (keep N for a sweep's
-life: a stopped sweep resumes with the same task groups). Only `ttft` needs the CPU to itself.
+--jobs N splits each sweep's tasks into N groups, each run by a process of one thread (keep N
+for a sweep's life: a stopped sweep resumes with the same task groups). The sweeps asked for
+run in N lanes side by side, one per group: a lane goes through its group of every sweep in
+turn, so a core whose group is done starts on the next sweep at once instead of waiting for
+the others. Only `ttft` needs the CPU to itself: it runs after the lanes before it end.
 """
 
 from __future__ import annotations
@@ -52,6 +55,7 @@ import shlex
 import subprocess
 import sys
 import time
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -318,29 +322,41 @@ def restore_answers(board: Path, part: Path) -> bool:
     return True
 
 
-def run_sweep(args, plan: Plan, sweep: Sweep, work: Path) -> None:
-    """One sweep, its task groups in parallel processes; each logs to OUT.log."""
-    procs = []
-    for tasks, out in zip(task_parts(args.jobs), part_dirs(work, sweep.name, args.jobs)):
-        out.parent.mkdir(parents=True, exist_ok=True)
-        if restore_answers(args.board, out):
-            print(f"[{sweep.name}] {out.name}: resuming from {archived(args.board, out)}",
-                  file=sys.stderr)  # fmt: skip
-        command = (
-            kvpress_command(args, plan, sweep, tasks, out)
-            if sweep.peer
-            else eval_command(args.model, args.length, args.samples, sweep, tasks, out)
-        )
+def part_command(args, plan: Plan, sweep: Sweep, tasks: list[str], out: Path) -> list[str]:
+    """One task group's run of a sweep, its archived answers restored first, so that what the
+    command reads (a peer's attention, the answers to resume from) is there when it starts."""
+    out.parent.mkdir(parents=True, exist_ok=True)
+    if restore_answers(args.board, out):
+        print(f"[{sweep.name}] {out.name}: resuming from {archived(args.board, out)}",
+              file=sys.stderr)  # fmt: skip
+    if sweep.peer:
+        return kvpress_command(args, plan, sweep, tasks, out)
+    return eval_command(args.model, args.length, args.samples, sweep, tasks, out)
+
+
+def run_lane(args, plan: Plan, sweeps: list[Sweep], work: Path, part: int) -> str | None:
+    """Task group `part` of each sweep in turn, each logging to OUT.log; the first that fails
+    ends the lane. Returns that one's log, or None."""
+    tasks = task_parts(args.jobs)[part]
+    for sweep in sweeps:
+        out = part_dirs(work, sweep.name, args.jobs)[part]
+        command = part_command(args, plan, sweep, tasks, out)
         print(f"[{sweep.name}] {shlex.join(command)}", file=sys.stderr)
-        log = open(out.with_suffix(".log"), "a")  # noqa: SIM115  (closed when it ends)
-        procs.append((subprocess.Popen(command, stdout=log, stderr=log, cwd=ROOT), log, out))
-    failed = []
-    for proc, log, out in procs:
-        if proc.wait() != 0:
-            failed.append(str(out.with_suffix(".log")))
-        log.close()
+        with open(out.with_suffix(".log"), "a") as log:
+            if subprocess.run(command, stdout=log, stderr=log, cwd=ROOT).returncode != 0:
+                return str(out.with_suffix(".log"))
+    return None
+
+
+def run_sweeps(args, plan: Plan, sweeps: list[Sweep], work: Path) -> None:
+    """Sweeps one after another, their task groups in `args.jobs` lanes that run side by side:
+    a lane goes on to its group of the next sweep as soon as its own is done, so no core waits
+    for the slowest group of each sweep, only of the last."""
+    parts = range(len(task_parts(args.jobs)))
+    with ThreadPoolExecutor(max_workers=len(parts)) as pool:
+        failed = [f for f in pool.map(lambda i: run_lane(args, plan, sweeps, work, i), parts) if f]
     if failed:
-        raise SystemExit(f"[{sweep.name}] failed; see {', '.join(failed)}")
+        raise SystemExit(f"[{', '.join(s.name for s in sweeps)}] failed; see {', '.join(failed)}")
 
 
 def run_ttft(args, work: Path, methods: list[str]) -> None:
@@ -524,17 +540,22 @@ def main() -> None:
     unknown = [w for w in wanted if w not in plan_sweeps and w != "ttft"]
     if unknown:
         parser.error(f"unknown sweep {', '.join(unknown)}; known: {', '.join(plan_sweeps)}, ttft")
-    for name in wanted:
-        if name == "ttft":
-            ours = [m for s in plan_sweeps.values() if not s.peer for m in s.methods]
-            run_ttft(args, work, list(dict.fromkeys(ours)))
-        else:
-            sweep = plan_sweeps[name]
-            if sweep.name == "kvpress" and plan.presses.startswith("best:"):
-                chosen = best_presses(args.work, int(plan.presses.split(":")[1]))
-                print(f"[kvpress] the 4K board's best presses: {chosen}", file=sys.stderr)
-                sweep = dataclasses.replace(sweep, methods=[chosen])
-            run_sweep(args, plan, sweep, work)
+    lanes: list[Sweep] = []  # the sweeps run together in lanes until `ttft`, which runs alone
+    for name in [*wanted, None]:
+        if name in ("ttft", None):
+            if lanes:
+                run_sweeps(args, plan, lanes, work)
+                lanes = []
+            if name == "ttft":
+                ours = [m for s in plan_sweeps.values() if not s.peer for m in s.methods]
+                run_ttft(args, work, list(dict.fromkeys(ours)))
+            continue
+        sweep = plan_sweeps[name]
+        if sweep.name == "kvpress" and plan.presses.startswith("best:"):
+            chosen = best_presses(args.work, int(plan.presses.split(":")[1]))
+            print(f"[kvpress] the 4K board's best presses: {chosen}", file=sys.stderr)
+            sweep = dataclasses.replace(sweep, methods=[chosen])
+        lanes.append(sweep)
     if args.archive:
         for path in archive_answers(work, args.board):
             print(path)

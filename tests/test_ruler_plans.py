@@ -285,3 +285,61 @@ def test_render_rewrites_the_records_of_peer_parts_behind_their_answers(tmp_path
     assert command[-1] == "--records-only" and command[command.index("--out") + 1] == str(stale)
     tasks = command[command.index("--tasks") + 1].split(",")
     assert tasks == board.task_parts(2)[1]  # the second part's tasks
+
+
+class LaneArgs:
+    model, length, samples, jobs, kvpress_python = "qwen2.5-coder-0.5b", 16384, 4, 2, "kvpython"
+
+
+def lanes_ran(tmp_path, monkeypatch, fake_run) -> None:
+    """Run the Qwen 16K plan's base and adapter sweeps through `fake_run` (subprocess.run)."""
+    import subprocess
+
+    monkeypatch.setattr(subprocess, "run", fake_run)
+    LaneArgs.board = tmp_path / "board"
+    plan = board.PLANS[("qwen2.5-coder-0.5b", 16384)]
+    sweeps = board.sweeps(plan)
+    board.run_sweeps(LaneArgs, plan, [sweeps["base"], sweeps["adapter"]], tmp_path / "work")
+
+
+def part_of(command: list[str]) -> str:
+    return Path(command[command.index("--out") + 1]).name
+
+
+def test_a_lane_goes_on_to_the_next_sweep_without_waiting_for_the_other_lane(tmp_path, monkeypatch):
+    """Each task group runs its part of every sweep in turn, and the groups run side by side:
+    the second group starts its adapter part while the first is still in its base part."""
+    import subprocess
+    import threading
+
+    second_moved_on = threading.Event()
+    ran = []
+
+    def fake_run(command, **_):
+        part = part_of(command)
+        ran.append(part)
+        if part == "adapter-2of2":
+            second_moved_on.set()
+        if part == "base-1of2":
+            assert second_moved_on.wait(timeout=30), "the second lane waited for the first"
+        return subprocess.CompletedProcess(command, 0)
+
+    lanes_ran(tmp_path, monkeypatch, fake_run)
+    assert sorted(ran) == ["adapter-1of2", "adapter-2of2", "base-1of2", "base-2of2"]
+    assert ran.index("base-1of2") < ran.index("adapter-1of2")
+    assert ran.index("base-2of2") < ran.index("adapter-2of2") < ran.index("adapter-1of2")
+    assert (tmp_path / "work" / "adapter-2of2.log").is_file()
+
+
+def test_a_failing_part_ends_its_lane_and_the_run_names_its_log(tmp_path, monkeypatch):
+    import subprocess
+
+    ran = []
+
+    def fake_run(command, **_):
+        ran.append(part_of(command))
+        return subprocess.CompletedProcess(command, 1 if part_of(command) == "base-2of2" else 0)
+
+    with pytest.raises(SystemExit, match=r"base-2of2\.log"):
+        lanes_ran(tmp_path, monkeypatch, fake_run)
+    assert sorted(ran) == ["adapter-1of2", "base-1of2", "base-2of2"]  # not adapter-2of2
