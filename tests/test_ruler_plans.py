@@ -287,19 +287,17 @@ def test_render_rewrites_the_records_of_peer_parts_behind_their_answers(tmp_path
     assert tasks == board.task_parts(2)[1]  # the second part's tasks
 
 
-class LaneArgs:
-    model, length, samples, jobs, kvpress_python = "qwen2.5-coder-0.5b", 16384, 4, 2, "kvpython"
-
-
 def lanes_ran(tmp_path, monkeypatch, fake_run) -> None:
     """Run the Qwen 16K plan's base and adapter sweeps through `fake_run` (subprocess.run)."""
     import subprocess
+    from types import SimpleNamespace
 
     monkeypatch.setattr(subprocess, "run", fake_run)
-    LaneArgs.board = tmp_path / "board"
+    args = SimpleNamespace(model="qwen2.5-coder-0.5b", length=16384, samples=4, jobs=2,
+                           kvpress_python="kvpython", board=tmp_path / "board")  # fmt: skip
     plan = board.PLANS[("qwen2.5-coder-0.5b", 16384)]
     sweeps = board.sweeps(plan)
-    board.run_sweeps(LaneArgs, plan, [sweeps["base"], sweeps["adapter"]], tmp_path / "work")
+    board.run_sweeps(args, plan, [sweeps["base"], sweeps["adapter"]], tmp_path / "work")
 
 
 def part_of(command: list[str]) -> str:
