@@ -42,6 +42,8 @@ for a sweep's life: a stopped sweep resumes with the same task groups). The swee
 run in N lanes side by side, one per group: a lane goes through its group of every sweep in
 turn, so a core whose group is done starts on the next sweep at once instead of waiting for
 the others. Only `ttft` needs the CPU to itself: it runs after the lanes before it end.
+--lanes K[,K...] runs only those lanes (1 to N), for a core that is free while the others are
+still busy, or to share a board's lanes between machines (then --archive on each).
 """
 
 from __future__ import annotations
@@ -348,11 +350,22 @@ def run_lane(args, plan: Plan, sweeps: list[Sweep], work: Path, part: int) -> st
     return None
 
 
+def lanes_asked(text: str, jobs: int, parser: argparse.ArgumentParser) -> list[int]:
+    """The lane numbers of --lanes (1-based), or [] for all of them."""
+    try:
+        lanes = [int(w) for w in split_commas(text)]
+    except ValueError:
+        parser.error(f"--lanes takes lane numbers, comma-separated (got {text!r})")
+    if any(not 1 <= lane <= jobs for lane in lanes):
+        parser.error(f"--lanes: with --jobs {jobs} the lanes are 1 to {jobs} (got {text!r})")
+    return sorted(set(lanes))
+
+
 def run_sweeps(args, plan: Plan, sweeps: list[Sweep], work: Path) -> None:
     """Sweeps one after another, their task groups in `args.jobs` lanes that run side by side:
     a lane goes on to its group of the next sweep as soon as its own is done, so no core waits
     for the slowest group of each sweep, only of the last."""
-    parts = range(len(task_parts(args.jobs)))
+    parts = [lane - 1 for lane in args.lanes] if args.lanes else range(len(task_parts(args.jobs)))
     with ThreadPoolExecutor(max_workers=len(parts)) as pool:
         failed = [f for f in pool.map(lambda i: run_lane(args, plan, sweeps, work, i), parts) if f]
     if failed:
@@ -509,6 +522,10 @@ def main() -> None:
         "kvpress, kvzip, ttft, or all (default: none, only --render)"
     )  # fmt: skip
     parser.add_argument("--jobs", type=int, default=2, help="parallel processes per sweep")
+    parser.add_argument(
+        "--lanes", default="", help="run only these lanes (task groups), comma-separated, "
+        "1 to --jobs (default: all)"
+    )  # fmt: skip
     parser.add_argument("--kvpress-python", default=".venv-kvpress/bin/python")
     parser.add_argument("--work", type=Path, default=Path("runs/ruler-leaderboard"))
     parser.add_argument(
@@ -532,6 +549,7 @@ def main() -> None:
     if args.presses:
         plan = dataclasses.replace(plan, presses=args.presses)
     args.samples = args.samples or plan.samples
+    args.lanes = lanes_asked(args.lanes, len(task_parts(args.jobs)), parser)
     args.board = args.out or Path("benchmarks/ruler") / f"{args.model}-{args.length}"
     plan_sweeps = sweeps(plan)
     wanted = split_commas(args.run)

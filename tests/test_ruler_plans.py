@@ -287,14 +287,16 @@ def test_render_rewrites_the_records_of_peer_parts_behind_their_answers(tmp_path
     assert tasks == board.task_parts(2)[1]  # the second part's tasks
 
 
-def lanes_ran(tmp_path, monkeypatch, fake_run) -> None:
-    """Run the Qwen 16K plan's base and adapter sweeps through `fake_run` (subprocess.run)."""
+def lanes_ran(tmp_path, monkeypatch, fake_run, lanes: list[int] | None = None) -> None:
+    """Run the Qwen 16K plan's base and adapter sweeps through `fake_run` (subprocess.run), in
+    `lanes` only if given."""
     import subprocess
     from types import SimpleNamespace
 
     monkeypatch.setattr(subprocess, "run", fake_run)
     args = SimpleNamespace(model="qwen2.5-coder-0.5b", length=16384, samples=4, jobs=2,
-                           kvpress_python="kvpython", board=tmp_path / "board")  # fmt: skip
+                           kvpress_python="kvpython", board=tmp_path / "board",
+                           lanes=lanes or [])  # fmt: skip
     plan = board.PLANS[("qwen2.5-coder-0.5b", 16384)]
     sweeps = board.sweeps(plan)
     board.run_sweeps(args, plan, [sweeps["base"], sweeps["adapter"]], tmp_path / "work")
@@ -341,3 +343,23 @@ def test_a_failing_part_ends_its_lane_and_the_run_names_its_log(tmp_path, monkey
     with pytest.raises(SystemExit, match=r"base-2of2\.log"):
         lanes_ran(tmp_path, monkeypatch, fake_run)
     assert sorted(ran) == ["adapter-1of2", "base-1of2", "base-2of2"]  # not adapter-2of2
+
+
+def test_only_the_lanes_asked_run_and_a_lane_not_there_is_refused(tmp_path, monkeypatch, capsys):
+    import subprocess
+
+    ran = []
+
+    def fake_run(command, **_):
+        ran.append(part_of(command))
+        return subprocess.CompletedProcess(command, 0)
+
+    lanes_ran(tmp_path, monkeypatch, fake_run, lanes=[2])
+    assert ran == ["base-2of2", "adapter-2of2"]
+    for lanes, said in [("3", "the lanes are 1 to 2"), ("two", "takes lane numbers")]:
+        argv = ["ruler_leaderboard.py", "--model", "qwen2.5-coder-0.5b", "--length", "16384",
+                "--jobs", "2", "--lanes", lanes]  # fmt: skip
+        monkeypatch.setattr("sys.argv", argv)
+        with pytest.raises(SystemExit):
+            board.main()
+        assert said in capsys.readouterr().err
