@@ -253,12 +253,14 @@ bench-peers: install vllm-venv llamacpp-venv openvino-venv
 		--out $(PEERS_OUT)
 
 # speedkv's default engine and vLLM-CPU turn about, request by request, with ratios paired round
-# by round: the comparison a noisy shared CPU still gives (about 6 minutes on 2 cores).
+# by round: the comparison a noisy shared CPU still gives (about 6 minutes on 2 cores at the default
+# AGAINST_VLLM_ROUNDS=6).
 AGAINST_VLLM_OUT ?= runs/against-vllm
+AGAINST_VLLM_ROUNDS ?= 6
 .PHONY: bench-against-vllm
 bench-against-vllm: install vllm-venv
-	$(PY) benchmarks/against_vllm.py --vllm-python $(VLLM_VENV)/bin/python --rounds 6 \
-		--out $(AGAINST_VLLM_OUT)
+	$(PY) benchmarks/against_vllm.py --vllm-python $(VLLM_VENV)/bin/python \
+		--rounds $(AGAINST_VLLM_ROUNDS) --out $(AGAINST_VLLM_OUT)
 
 # On a new class of CPU: speedkv's batch-1 figures under the measured kernel choice (beside
 # vLLM-CPU, same run), with torch's kernels only, and with oneDNN kept off AMX, one after the

@@ -479,7 +479,8 @@ def main(argv: list[str] | None = None) -> None:
         "batching_speedup": gains,
     }
     (args.out / "results.json").write_text(json.dumps(result, indent=2))
-    table = markdown(runs, gains) + f"\n{machine_sentence(result)}\n"
+    table = f"Command: `{result['command']}`\n\n" + markdown(runs, gains)
+    table += f"\n{machine_sentence(result)}\n"
     (args.out / "table.md").write_text(table)
     print(json.dumps(result, indent=2) if args.json else table)
     failed = sum(r["errors"] + r["clients"] - r["complete"] for r in runs)

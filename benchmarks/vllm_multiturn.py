@@ -197,7 +197,10 @@ def main(argv: list[str] | None = None) -> int:
     }  # fmt: skip
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / "results.json").write_text(json.dumps(record, indent=2))
-    table = markdown(summary, runs)
+    from speedkv.bench.report import machine_sentence
+
+    table = f"Command: `{record['command']}`\n\n" + markdown(summary, runs)
+    table += f"\n{machine_sentence(record)}\n"
     (args.out / "table.md").write_text(table)
     print(table)
     return 0
