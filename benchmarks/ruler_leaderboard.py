@@ -85,6 +85,9 @@ class Sweep:
     methods: list[str]
     args: list[str] = field(default_factory=list)
     peer: bool = False  # kvpress, not speedkv eval
+    # its press=None answers are only its own ratios' reference; the `kvpress` sweep's make the
+    # board's no-press row
+    reference_only: bool = False
 
 
 @dataclass(frozen=True)
@@ -234,7 +237,7 @@ def sweeps(plan: Plan) -> dict[str, Sweep]:
         "adapter": Sweep("adapter", list(plan.trained), ["--adapter", plan.adapter, *shared]),
         "agnostic": Sweep("agnostic", list(plan.agnostic), ["--query-agnostic"]),
         "kvpress": Sweep("kvpress", [plan.presses], peer=True),
-        "kvzip": Sweep("kvzip", [KVZIP], peer=True),
+        "kvzip": Sweep("kvzip", [KVZIP], peer=True, reference_only=True),
     }
     if not plan.agnostic:
         del out["agnostic"]
@@ -431,7 +434,10 @@ def render(args, plan: Plan, work: Path, out: Path) -> None:
     ttft_file = work / "ttft" / "results.json"
     ttft = lb.bench_ttft(ttft_file) if ttft_file.exists() else None
     # rows whose runs are not here (finished on another machine) keep their published figures
-    rows, carried = lb.with_published(lb.rows_from_runs(dirs, ttft), published)
+    references = [
+        d for s in sweeps(plan).values() if s.reference_only for d in work.glob(f"{s.name}-*of*")
+    ]
+    rows, carried = lb.with_published(lb.rows_from_runs(dirs, ttft, references), published)
     if carried:
         print(f"{len(carried)} rows as published in {published_file} (no runs of theirs under "
               f"{work})", file=sys.stderr)  # fmt: skip

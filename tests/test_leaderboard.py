@@ -130,6 +130,28 @@ def test_kvpress_settings_share_a_line(tmp_path: Path) -> None:
     assert aware.average == 1.0 and set(aware.counts.values()) == {1}
 
 
+def test_a_masking_press_is_held_at_what_it_leaves_and_its_own_reference_is_not_a_row(
+    tmp_path: Path,
+) -> None:
+    """KVzip only masks what it drops: its row's KV is the unmasked share. The kvzip sweep's own
+    press=None answers are its ratios' reference; the kvpress sweep's make the no-press row."""
+    none = "kvpress:none,setting=aware"
+    kvzip = "kvpress:kvzip,ratio=0.267,setting=aware"
+    header = {"peer": "kvpress"}
+    own_none = [record(none, t, 0, 1.0, setting="aware") for t in ruler.TASKS]
+    presses = write_run(tmp_path / "kvpress-1of1", header, own_none)
+    masked = [record(kvzip, t, 0, 0.5, setting="aware", kv_ratio_effective=0.735)
+              for t in ruler.TASKS]  # fmt: skip
+    other_none = [record(none, t, 0, 0.0, setting="aware") for t in ruler.TASKS]
+    zip_run = write_run(tmp_path / "kvzip-1of1", header, masked + other_none)
+    rows = {r.method: r for r in lb.rows_from_runs([presses, zip_run], None, [zip_run])}
+    assert rows["kvpress:kvzip,ratio=0.267"].kv_ratio == 0.735
+    assert rows["kvpress:none"].average == 1.0  # the kvpress sweep's answers, not kvzip's own
+    # without the reference rule the later run's none answers would have replaced them
+    merged = {r.method: r for r in lb.rows_from_runs([presses, zip_run])}
+    assert merged["kvpress:none"].average == 0.0
+
+
 def test_a_quiet_bench_replaces_the_sweeps_ttft_ratio(tmp_path: Path) -> None:
     run = write_run(
         tmp_path / "r", {}, [record(SPEED, t, 0, 1.0, ttft_ratio=0.9) for t in ruler.TASKS]

@@ -18,7 +18,7 @@ import json
 import math
 import statistics
 from collections import Counter
-from collections.abc import Iterable
+from collections.abc import Collection, Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -29,6 +29,7 @@ AWARE, AGNOSTIC = "aware", "agnostic"
 Z95 = 1.96  # a normal 95 % interval
 KV_MATCH = 0.01  # rows within this of each other's KV ratio hold the same share of the cache
 SETTING_LABELS = {AWARE: "query-aware", AGNOSTIC: "query-agnostic"}
+KVPRESS_NONE = "kvpress:none"  # kvpress's pipeline without a press: its engine's full attention
 
 # names people know the methods by, for tables and plots
 NAMES = {
@@ -150,18 +151,26 @@ def read_run(directory: Path) -> tuple[dict, list[dict]]:
 
 
 def rows_from_runs(
-    directories: Iterable[Path], ttft: dict[tuple[str, int], float] | None = None
+    directories: Iterable[Path],
+    ttft: dict[tuple[str, int], float] | None = None,
+    reference_only: Collection[Path] = (),
 ) -> list[Row]:
     """One row per (engine, adapter, setting, method, length) over all the runs; a sample
     recorded by several runs (parts of one sweep that overlap) counts once, its latest.
     `ttft` maps (method, length) to a TTFT ratio from a quiet benchmark run, which replaces
-    the per-sample ratios of a sweep that shared the CPU."""
+    the per-sample ratios of a sweep that shared the CPU. The no-press answers of the runs in
+    `reference_only` are only the reference their own presses' ratios were taken against:
+    another sweep's make the board's no-press row (answers made elsewhere can differ in
+    bfloat16's last bits, and a row's samples must come from one place)."""
     groups: dict[tuple, dict[tuple, dict]] = {}
+    references = {Path(d) for d in reference_only}
     for directory in directories:
         header, records = read_run(Path(directory))
         engine = header.get("engine") or header.get("peer") or "speedkv"
         adapter = header.get("adapter")
         for r in records:
+            if Path(directory) in references and without_setting(r["method"]) == KVPRESS_NONE:
+                continue
             setting = r.get("setting", header.get("setting", AWARE))
             if engine == "speedkv" and r.get("prefill_shared"):  # question always in view;
                 setting = AWARE  # speedkv eval before 2026-11-28 labelled these agnostic
@@ -183,7 +192,9 @@ def rows_from_runs(
             length=length,
             scores={t: s["score"] for t, s in per_task.items()},
             counts={t: s["n"] for t, s in per_task.items()},
-            kv_ratio=statistics.fmean(r["kv_ratio"] for r in records),
+            # a press that only masks what it drops (KVzip) is held at what it leaves unmasked,
+            # the cache it stands for; for every other method the two are the same
+            kv_ratio=statistics.fmean(r.get("kv_ratio_effective", r["kv_ratio"]) for r in records),
             ttft_ratio=median_ttft_ratio(records),
             seconds=sum(r.get("seconds", 0.0) for r in records),
             extra={"per_sample": {key: r["score"] for key, r in by_sample.items()}},
@@ -362,7 +373,7 @@ def equal_kv_table(rows: list[Row], length: int) -> str:
     # the engines differ (bfloat16 kernels, prompt handling), so each side's own ceiling too
     ceilings = [
         f"{engine} {SETTING_LABELS[r.setting]} {_with_margin(r)}"
-        for engine, method in (("speedkv", "full"), ("kvpress", "kvpress:none"))
+        for engine, method in (("speedkv", "full"), ("kvpress", KVPRESS_NONE))
         for r in ranked
         if r.engine == engine and r.method == method and not r.adapter
     ]
@@ -485,7 +496,7 @@ def _pareto_panel(ax, points: list[Row], cost: str, most: int) -> None:
         )  # fmt: skip
         seen.add(kind)
         ax.errorbar(x, y, yerr=100 * r.margin, fmt="none", ecolor=colour, alpha=0.25, zorder=2)
-        named = i in front or kind == "speed" or r.adapter or r.method in ("full", "kvpress:none")
+        named = i in front or kind == "speed" or r.adapter or r.method in ("full", KVPRESS_NONE)
         if named:
             label = r.label if r.min_samples == most else f"{r.label} ({r.min_samples}/task)"
             labels.append((x, y, label))
