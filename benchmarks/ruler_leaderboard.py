@@ -205,12 +205,16 @@ def best_presses(work: Path, n: int, published: Path = BOARD_4K / "results.json"
     )
     on_record = lb.rows_from_json(json.loads(published.read_text())) if published.exists() else []
     rows, _ = lb.with_published(lb.rows_from_runs(dirs), on_record)
-    rows = [
-        r for r in rows if r.method.startswith("kvpress:") and f"ratio={float(ratio):g}" in r.method
+    expected = set(split_commas(board.presses))
+    rows = [  # the `kvpress` sweep's presses (KVzip, a sweep of its own, is not among them)
+        r
+        for r in rows
+        if r.method.startswith("kvpress:")
+        and f"ratio={float(ratio):g}" in r.method
+        and press_of(r) in expected
     ]
     ready = [r for r in rows if r.average is not None and r.min_samples >= board.samples]
     names = {press_of(r) for r in rows}
-    expected = set(split_commas(board.presses))
     if not (len(ready) == len(rows) == 2 * len(expected) and names == expected):
         raise SystemExit(
             "the SmolLM2 4K board's kvpress sweep is not complete, so its best presses are not "

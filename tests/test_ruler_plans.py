@@ -121,8 +121,13 @@ def test_later_plans_take_the_4k_boards_best_presses_at_speed22s_kv(tmp_path):
     presses = board.split_commas(board.PLANS[("smollm2-135m", 4096)].presses)
     scores = dict(zip(presses, (0.1, 0.5, 0.3, 0.4, 0.2)))  # at 0.867 KV the order reverses
     kvpress_board(tmp_path, scores)
-    assert board.best_presses(tmp_path, 2) == f"{presses[1]},{presses[3]}"
-    assert board.best_presses(tmp_path, 1) == presses[1]
+    # KVzip, a sweep of its own, published part-way and scoring higher, is not among them
+    kvpress_board(tmp_path / "kvzip", {"kvzip": 0.9}, samples=8)
+    kvzip = board.lb.rows_from_runs([tmp_path / "kvzip" / "smollm2-135m" / "4096" / "kvpress-1of1"])
+    published = tmp_path / "results.json"
+    published.write_text(json.dumps(board.lb.to_json(kvzip)))
+    assert board.best_presses(tmp_path, 2, published) == f"{presses[1]},{presses[3]}"
+    assert board.best_presses(tmp_path, 1, published) == presses[1]
     assert board.PLANS[board.SMOLLM2_8K].presses == "best:2"
 
 
