@@ -350,10 +350,12 @@ def run_lane(args, plan: Plan, sweeps: list[Sweep], work: Path, part: int) -> st
     for sweep in sweeps:
         out = part_dirs(work, sweep.name, args.jobs)[part]
         command = part_command(args, plan, sweep, tasks, out)
-        print(f"[{sweep.name}] {shlex.join(command)}", file=sys.stderr)
-        with open(out.with_suffix(".log"), "a") as log:
+        log_path = out.with_suffix(".log")
+        print(f"[{sweep.name}] {shlex.join(command)}\n[{sweep.name}] progress and ETA: "
+              f"tail -f {log_path}", file=sys.stderr)  # fmt: skip
+        with open(log_path, "a") as log:
             if subprocess.run(command, stdout=log, stderr=log, cwd=ROOT).returncode != 0:
-                return str(out.with_suffix(".log"))
+                return str(log_path)
     return None
 
 
