@@ -335,6 +335,14 @@ def speedups(runs: list[dict]) -> dict[str, float]:
     return out
 
 
+def framed(result: dict, table: str) -> str:
+    """A results table as its table.md holds it: the command that made it above, the machine
+    it ran on below."""
+    from speedkv.bench.report import machine_sentence
+
+    return f"Command: `{result['command']}`\n\n{table}\n{machine_sentence(result)}\n"
+
+
 def markdown(runs: list[dict], gains: dict[str, float]) -> str:
     lines = [
         "| method | mode | clients | tokens | wall s | tokens/s | errors | complete "
@@ -468,7 +476,6 @@ def main(argv: list[str] | None = None) -> None:
     runs = sorted((r for r in runs if key(r) in order), key=lambda r: order[key(r)])
     gains = speedups(runs)
     from speedkv.bench.machine import machine_facts
-    from speedkv.bench.report import machine_sentence
 
     result = {
         "settings": settings,
@@ -479,8 +486,7 @@ def main(argv: list[str] | None = None) -> None:
         "batching_speedup": gains,
     }
     (args.out / "results.json").write_text(json.dumps(result, indent=2))
-    table = f"Command: `{result['command']}`\n\n" + markdown(runs, gains)
-    table += f"\n{machine_sentence(result)}\n"
+    table = framed(result, markdown(runs, gains))
     (args.out / "table.md").write_text(table)
     print(json.dumps(result, indent=2) if args.json else table)
     failed = sum(r["errors"] + r["clients"] - r["complete"] for r in runs)

@@ -33,7 +33,7 @@ from dataclasses import asdict, dataclass, fields
 from pathlib import Path
 
 import httpx
-from loadtest import Server, parse_metrics, percentile, stream_one
+from loadtest import Server, framed, parse_metrics, percentile, stream_one
 
 SYSTEM = (
     "You are a careful reading assistant. Answer questions about the document the user gives, "
@@ -197,10 +197,7 @@ def main(argv: list[str] | None = None) -> int:
     }  # fmt: skip
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / "results.json").write_text(json.dumps(record, indent=2))
-    from speedkv.bench.report import machine_sentence
-
-    table = f"Command: `{record['command']}`\n\n" + markdown(summary, runs)
-    table += f"\n{machine_sentence(record)}\n"
+    table = framed(record, markdown(summary, runs))
     (args.out / "table.md").write_text(table)
     print(table)
     return 0

@@ -168,8 +168,9 @@ def rows_from_runs(
         header, records = read_run(Path(directory))
         engine = header.get("engine") or header.get("peer") or "speedkv"
         adapter = header.get("adapter")
+        reference = Path(directory) in references
         for r in records:
-            if Path(directory) in references and without_setting(r["method"]) == KVPRESS_NONE:
+            if reference and without_setting(r["method"]) == KVPRESS_NONE:
                 continue
             setting = r.get("setting", header.get("setting", AWARE))
             if engine == "speedkv" and r.get("prefill_shared"):  # question always in view;
