@@ -488,6 +488,14 @@ def render(args, plan: Plan, work: Path, out: Path) -> None:
             "margins combined as independent.\n",
             versus,
         ]
+    own = lb.own_reference_table(d for d in references if d in dirs)
+    if own:
+        parts += [
+            "## Presses against their own no-press answers\n",
+            "A press whose sweep answers its own press=None reference (KVzip's) against it, on "
+            "the same samples, made in the same process on the same CPU.\n",
+            own,
+        ]
     for setting, table in per_task.items():
         parts += [f"## Per task, {lb.SETTING_LABELS[setting]}\n", table]
     if plot:
@@ -505,6 +513,9 @@ def render(args, plan: Plan, work: Path, out: Path) -> None:
         tables = [board]
         if versus:
             tables += ["SPEED against kvpress's presses at the same KV ratio:\n", versus]
+        if own:
+            tables += ["Presses that answer their own no-press reference, against it on the "
+                       "same samples and CPU:\n", own]  # fmt: skip
         for setting, table in per_task.items():
             tables += [captions[setting] + "\n", table]
         if plot:

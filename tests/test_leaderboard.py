@@ -351,3 +351,30 @@ def test_a_difference_is_paired_only_with_two_shared_samples_in_every_task(tmp_p
     assert lb.difference(one, other) == (0.0, 0.0, False)  # one sample a task: unpaired
     gap, margin, paired = lb.difference(row("c", "full", 4), row("d", SPEED, 4))
     assert paired and gap == 0.0 and margin == 0.0  # the same answers: no doubt about it
+
+
+def test_a_press_meets_its_own_reference_on_the_same_samples(tmp_path: Path) -> None:
+    """The kvzip sweep's own no-press answers: the press's paired difference against them, the
+    answers that match word for word, and its TTFT ratio told per CPU."""
+    none = "kvpress:none,setting=aware"
+    kvzip = "kvpress:kvzip,ratio=0.267,setting=aware"
+    common = {"setting": "aware"}
+    reference, pressed = [], []
+    for t in ruler.TASKS:
+        for s in range(2):
+            machine = "cpu A" if s == 0 else "cpu B"
+            reference.append(record(none, t, s, 1.0, answer="x", machine=machine, **common))
+            wrong = t == ruler.TASKS[0] and s == 1  # one answer of 26 differs, and scores 0
+            pressed.append(record(kvzip, t, s, 0.0 if wrong else 1.0, answer="y" if wrong else "x",
+                                  ttft_ratio=10.0 + s, machine=machine, kv_ratio_effective=0.735,
+                                  **common))  # fmt: skip
+    run = write_run(tmp_path / "kvzip-1of1", {"peer": "kvpress"}, reference + pressed)
+    table = lb.own_reference_table([run])
+    (line,) = [row for row in table.splitlines() if "KVzip" in row]
+    cells = [c.strip() for c in line.strip("|").split("|")]
+    assert cells[0] == "query-aware" and cells[2] == "0.735"
+    gap = -100 * 0.5 / len(ruler.TASKS)  # one task's mean falls by half
+    assert cells[5].startswith(f"{gap:+.1f} ± ") and "unpaired" not in cells[5]
+    assert cells[6] == f"25 of {2 * len(ruler.TASKS)}"
+    assert cells[7] == f"10.0 on cpu A ({len(ruler.TASKS)}); 11.0 on cpu B ({len(ruler.TASKS)})"
+    assert lb.own_reference_table([]) == ""

@@ -387,6 +387,57 @@ def equal_kv_table(rows: list[Row], length: int) -> str:
     return "\n".join(head + lines) + "\n" + ceiling
 
 
+def own_reference_table(directories: Iterable[Path]) -> str:
+    """Each press of runs that answer their own no-press reference (the kvzip sweep) against
+    that reference on the same samples, made on the same CPU in the same process: both averages,
+    the paired difference with its 95 % margin, how many answers are word for word the
+    reference's, and the median per-sample TTFT ratio on each CPU that made them (a sweep may
+    resume on another machine). Empty without such runs."""
+    dirs = [Path(d) for d in directories]
+    answers: dict[tuple, dict] = {}  # (setting, method, task, sample) -> its record
+    for directory in dirs:
+        for r in read_run(directory)[1]:
+            key = (r.get("setting", AWARE), without_setting(r["method"]), r["task"], r["sample"])
+            answers[key] = r
+    rows = rows_from_runs(dirs)
+    references = {r.setting: r for r in rows if r.method == KVPRESS_NONE}
+    lines = []
+    for row in rows:
+        own = references.get(row.setting)
+        if row.method == KVPRESS_NONE or own is None or row.average is None:
+            continue
+        shared = sorted(row.extra["per_sample"].keys() & own.extra["per_sample"].keys())
+        pairs = [
+            (answers[(row.setting, row.method, *k)], answers[(row.setting, KVPRESS_NONE, *k)])
+            for k in shared
+        ]
+        same = sum(mine["answer"] == theirs["answer"] for mine, theirs in pairs)
+        by_machine: dict[str, list[float]] = {}
+        for mine, _ in pairs:
+            if mine.get("ttft_ratio") is not None:
+                machine = mine.get("machine") or "CPU not recorded"
+                by_machine.setdefault(machine, []).append(mine["ttft_ratio"])
+        ttft = "; ".join(
+            f"{statistics.median(v):.1f} on {machine} ({len(v)})"
+            for machine, v in sorted(by_machine.items(), key=lambda item: -len(item[1]))
+        )
+        gap, noise, paired = difference(row, own)
+        lines.append(
+            f"| {SETTING_LABELS[row.setting]} | {row.label} | {row.kv_ratio:.3f} "
+            f"| {_with_margin(row)} | {_with_margin(own)} "
+            f"| {100 * gap:+.1f} ± {100 * noise:.1f}{'' if paired else ' (unpaired)'} "
+            f"| {same} of {len(pairs)} | {ttft or '-'} |"
+        )
+    if not lines:
+        return ""
+    head = [
+        "| setting | press | KV x | its RULER avg | no press, same samples | difference, points "
+        "| answers word for word the no-press ones | TTFT x, median per sample (samples) |",
+        "|---|---|---:|---:|---:|---:|---:|---|",
+    ]
+    return "\n".join(head + lines) + "\n"
+
+
 def _key(row: Row) -> tuple:
     """What makes a line of the leaderboard: both settings of one method share it."""
     return (row.engine, row.adapter, row.method)
