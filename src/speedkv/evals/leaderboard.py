@@ -71,7 +71,8 @@ class Row:
     ttft_ratio: float | None  # None: no sample timed on its own, and no quiet bench run
     ttft_source: str = "records"  # records (median per-sample ratio) or bench (quiet run)
     seconds: float = 0.0  # wall time of every sample, all tasks
-    extra: dict = field(default_factory=dict, compare=False)  # per-sample scores, when kept
+    # per_sample: (task, sample) -> score; records: (task, sample) -> record; when kept
+    extra: dict = field(default_factory=dict, compare=False)
 
     @property
     def complete(self) -> bool:
@@ -198,7 +199,10 @@ def rows_from_runs(
             kv_ratio=statistics.fmean(r.get("kv_ratio_effective", r["kv_ratio"]) for r in records),
             ttft_ratio=median_ttft_ratio(records),
             seconds=sum(r.get("seconds", 0.0) for r in records),
-            extra={"per_sample": {key: r["score"] for key, r in by_sample.items()}},
+            extra={
+                "per_sample": {key: r["score"] for key, r in by_sample.items()},
+                "records": by_sample,
+            },
         )
         if ttft and (method, length) in ttft and engine == "speedkv":
             row.ttft_ratio, row.ttft_source = ttft[(method, length)], "bench"
@@ -393,30 +397,21 @@ def own_reference_table(directories: Iterable[Path]) -> str:
     the paired difference with its 95 % margin, how many answers are word for word the
     reference's, and the median per-sample TTFT ratio on each CPU that made them (a sweep may
     resume on another machine). Empty without such runs."""
-    dirs = [Path(d) for d in directories]
-    answers: dict[tuple, dict] = {}  # (setting, method, task, sample) -> its record
-    for directory in dirs:
-        for r in read_run(directory)[1]:
-            key = (r.get("setting", AWARE), without_setting(r["method"]), r["task"], r["sample"])
-            answers[key] = r
-    rows = rows_from_runs(dirs)
+    rows = rows_from_runs(directories)
     references = {r.setting: r for r in rows if r.method == KVPRESS_NONE}
     lines = []
     for row in rows:
         own = references.get(row.setting)
         if row.method == KVPRESS_NONE or own is None or row.average is None:
             continue
-        shared = sorted(row.extra["per_sample"].keys() & own.extra["per_sample"].keys())
-        pairs = [
-            (answers[(row.setting, row.method, *k)], answers[(row.setting, KVPRESS_NONE, *k)])
-            for k in shared
-        ]
-        same = sum(mine["answer"] == theirs["answer"] for mine, theirs in pairs)
+        mine, theirs = row.extra["records"], own.extra["records"]
+        pairs = [(mine[k], theirs[k]) for k in sorted(mine.keys() & theirs.keys())]
+        same = sum(pressed["answer"] == reference["answer"] for pressed, reference in pairs)
         by_machine: dict[str, list[float]] = {}
-        for mine, _ in pairs:
-            if mine.get("ttft_ratio") is not None:
-                machine = mine.get("machine") or "CPU not recorded"
-                by_machine.setdefault(machine, []).append(mine["ttft_ratio"])
+        for pressed, _ in pairs:
+            if pressed.get("ttft_ratio") is not None:
+                machine = pressed.get("machine") or "CPU not recorded"
+                by_machine.setdefault(machine, []).append(pressed["ttft_ratio"])
         ttft = "; ".join(
             f"{statistics.median(v):.1f} on {machine} ({len(v)})"
             for machine, v in sorted(by_machine.items(), key=lambda item: -len(item[1]))
