@@ -502,10 +502,17 @@ def render(args, plan: Plan, work: Path, out: Path) -> None:
         parts += ["## Pareto front\n", f"![RULER against KV and TTFT]({plot.name})\n"]
     hours = sum(r.seconds for r in rows) / 3600
     parts += [f"Samples' wall time, all rows: {hours:.1f} h (CPU shared by the parallel parts).\n"]
-    machines = lb.answers_by_machine(dirs)
-    if machines:
-        listed = "; ".join(f"{name}: {n}" for name, n in machines.items())
-        parts += [f"Answers under {work}, by the CPU that made them: {listed}.\n"]
+    by_sweep: dict[str, list[Path]] = {}
+    for directory in dirs:  # a sweep's parts are SWEEP-1ofN ... SWEEP-NofN
+        by_sweep.setdefault(directory.name.rsplit("-", 1)[0], []).append(directory)
+    lines = []
+    for sweep, parts_of_sweep in by_sweep.items():
+        machines = lb.answers_by_machine(parts_of_sweep)
+        listed = "; ".join(f"{name}: {n} in {s / 3600:.1f} h" for name, (n, s) in machines.items())
+        lines.append(f"- `{sweep}`: {listed}\n")
+    if lines:
+        parts += [f"Answers under {work} by sweep and the CPU that made them, with their "
+                  "samples' wall time:\n", "".join(lines)]  # fmt: skip
     (out / "leaderboard.md").write_text("\n".join(parts))
     if args.docs:
         captions = {lb.AWARE: "Per task, question in view (RULER's metric, percent):",

@@ -24,7 +24,7 @@ def record(method: str, task: str, sample: int, score: float, **extra) -> dict:
         "score": score,
         "kv_ratio": extra.pop("kv_ratio", 1.0),
         "ttft_ratio": extra.pop("ttft_ratio", 1.0),
-        "seconds": 2.0,
+        "seconds": extra.pop("seconds", 2.0),
         **extra,
     }
 
@@ -281,9 +281,17 @@ def test_answers_are_counted_by_the_machine_that_made_them(tmp_path: Path) -> No
         tmp_path / "r",
         {},
         [record("full", "ruler/vt", i, 1.0, machine="cpu A") for i in range(3)]
-        + [record("full", "ruler/vt", 3, 1.0, machine="cpu B"), record("full", "ruler/vt", 4, 1.0)],
+        + [
+            record("full", "ruler/vt", 3, 1.0, machine="cpu B", seconds=5.0),
+            record("full", "ruler/vt", 4, 1.0),
+        ],
     )
-    assert lb.answers_by_machine([run]) == {"cpu A": 3, "cpu B": 1, "not recorded": 1}
+    # answers and their summed wall time per CPU, most answers first
+    assert lb.answers_by_machine([run]) == {
+        "cpu A": (3, 6.0),
+        "cpu B": (1, 5.0),
+        "not recorded": (1, 2.0),
+    }
 
 
 def test_a_rows_margin_is_the_95_percent_interval_of_its_task_means(tmp_path: Path) -> None:

@@ -256,7 +256,9 @@ def test_render_keeps_published_rows_whose_runs_are_elsewhere(tmp_path):
     assert rows["pop:lcut=22"]["average"] == pytest.approx(0.25)
     page = (out / "leaderboard.md").read_text()
     assert "and 1 rows as published before" in page
-    assert "by the CPU that made them: not recorded: 13." in page
+    # answers are counted per sweep (the parts' folder names without -NofM) and CPU
+    assert "by sweep and the CPU that made them" in page
+    assert "- `base`: not recorded: 13 in 0.0 h" in page
 
 
 def test_render_rewrites_the_records_of_peer_parts_behind_their_answers(tmp_path, monkeypatch):

@@ -210,13 +210,18 @@ def rows_from_runs(
     return sorted(rows, key=_row_order)
 
 
-def answers_by_machine(directories: Iterable[Path]) -> dict[str, int]:
-    """How many of the runs' answers each CPU made (a sweep may resume on another machine);
-    answers from before records named their machine count as "not recorded"."""
+def answers_by_machine(directories: Iterable[Path]) -> dict[str, tuple[int, float]]:
+    """How many of the runs' answers each CPU made, and their summed wall time in seconds (a
+    sweep may resume on another machine); answers from before records named their machine
+    count as "not recorded". Most answers first."""
     counts: Counter[str] = Counter()
+    seconds: Counter[str] = Counter()
     for directory in directories:
-        counts.update(r.get("machine") or "not recorded" for r in read_run(Path(directory))[1])
-    return dict(counts.most_common())
+        for record in read_run(Path(directory))[1]:
+            machine = record.get("machine") or "not recorded"
+            counts[machine] += 1
+            seconds[machine] += record.get("seconds", 0.0)
+    return {machine: (n, seconds[machine]) for machine, n in counts.most_common()}
 
 
 def _row_order(row: Row) -> tuple:
