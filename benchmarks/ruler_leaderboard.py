@@ -27,8 +27,9 @@ Sweeps (OUT = --work/MODEL/LENGTH):
             .venv-kvpress: make kvpress-venv), both settings, at the KV ratios SPEED reaches
             (SmolLM2: SPEED-22's 0.733 and SPEED-26's 0.867): SnapKV, ExpectedAttention,
             StreamingLLM, TOVA and Knorm, and press=None (its ceiling)
-  kvzip     kvpress's KVzip the same way (it replays the context to score it: about five
-            prefills a sample)
+  kvzip     kvpress's KVzip the same way, against its own answers without a press (it replays
+            the context to score it: about five prefills a sample); SmolLM2 at 4K, and
+            Qwen2.5-0.5B at 4K on 5 samples a task
   ttft      a quiet `speedkv bench` at the length: the TTFT ratios the table shows for our
             methods (the sweeps' own per-sample ratios are taken on a shared CPU)
 
@@ -88,6 +89,7 @@ class Sweep:
     # its press=None answers are only its own ratios' reference; the `kvpress` sweep's make the
     # board's no-press row
     reference_only: bool = False
+    samples: int | None = None  # per task, where not the plan's
 
 
 @dataclass(frozen=True)
@@ -104,6 +106,7 @@ class Plan:
     presses: str  # kvpress's presses, at `kv` and at each of `more_kv`
     samples: int  # per task
     kvzip: bool = False
+    kvzip_samples: int | None = None  # per task, where fewer than `samples` (its replays cost)
     more_kv: tuple[float, ...] = ()  # other KV ratios SPEED reaches here, for kvpress too
     # full and SPEED start from one full prefill per sample (speedkv eval --shared-prefill):
     # the same answers for about one prefill a sample; SPEED's TTFT then comes from `ttft`
@@ -155,6 +158,9 @@ QWEN_PLAN = Plan(
     presses="best:1",  # the SmolLM2 4K board's best press (best_presses; --presses overrides)
     samples=10,
 )
+# KVzip, the 4K board's best press but about five prefills a sample, checked on the second
+# model at 4K on half the samples: against its own no-press answers, as on SmolLM2
+QWEN_PLAN_4K = dataclasses.replace(QWEN_PLAN, kvzip=True, kvzip_samples=5)
 
 # the main board, whose kvpress sweep names the best presses for the later plans
 BOARD_4K = Path(__file__).resolve().parent / "ruler" / "smollm2-135m-4096"
@@ -188,7 +194,7 @@ PLANS: dict[tuple[str, int], Plan] = {
     ),
     # Qwen2.5-0.5B: a prefill of 4K tokens is about four times SmolLM2's, of 16K about twenty
     # times, so fewer samples a task
-    ("qwen2.5-coder-0.5b", 4096): QWEN_PLAN,
+    ("qwen2.5-coder-0.5b", 4096): QWEN_PLAN_4K,
     ("qwen2.5-coder-0.5b", 16384): dataclasses.replace(QWEN_PLAN, samples=4),
 }
 
@@ -241,7 +247,9 @@ def sweeps(plan: Plan) -> dict[str, Sweep]:
         "adapter": Sweep("adapter", list(plan.trained), ["--adapter", plan.adapter, *shared]),
         "agnostic": Sweep("agnostic", list(plan.agnostic), ["--query-agnostic"]),
         "kvpress": Sweep("kvpress", [plan.presses], peer=True),
-        "kvzip": Sweep("kvzip", [KVZIP], peer=True, reference_only=True),
+        "kvzip": Sweep(
+            "kvzip", [KVZIP], peer=True, reference_only=True, samples=plan.kvzip_samples
+        ),
     }
     if not plan.agnostic:
         del out["agnostic"]
@@ -270,13 +278,17 @@ def eval_command(model: str, length: int, samples: int, sweep: Sweep, tasks: lis
     ]  # fmt: skip
 
 
-def peer_attention(work: Path) -> list[str]:
-    """`--attention` for a peer part: what the board's earliest peer answers were made with,
-    so every kvpress row of a board (and the full-attention row they share) computes its
-    attention alike. Nothing while no peer part has answers: the first one then decides."""
-    for results in sorted(work.glob("*-*of*/kvpress-results.jsonl")):
-        first = results.read_text().splitlines()[:1]
-        header = json.loads(first[0]).get("header") if first else None
+def peer_attention(work: Path, board: Path) -> list[str]:
+    """`--attention` for a peer part: what the board's earliest peer answers were made with
+    (those under `work`, else those archived beside the board), so every kvpress row of a
+    board (and the full-attention row they share) computes its attention alike. Nothing while
+    no peer part has answers: the first one then decides."""
+    here = sorted(work.glob("*-*of*/kvpress-results.jsonl"))
+    archived_parts = sorted((board / "answers").glob("*-*of*.kvpress-results.jsonl.gz"))
+    for results in here + archived_parts:
+        with (gzip.open if results.suffix == ".gz" else open)(results, "rt") as lines:
+            first = lines.readline()
+        header = json.loads(first).get("header") if first.strip() else None
         if header:
             return ["--attention", recorded_attention(header)]
     return []
@@ -287,9 +299,9 @@ def kvpress_command(args, plan: Plan, sweep: Sweep, tasks: list[str], out: Path)
         sys.executable, str(ROOT / "benchmarks" / "kvpress_peer.py"),
         "--kvpress-python", args.kvpress_python, "--model", args.model,
         "--tasks", ",".join(tasks), "--length", str(args.length),
-        "--samples", str(args.samples), "--presses", ",".join(sweep.methods),
+        "--samples", str(sweep.samples or args.samples), "--presses", ",".join(sweep.methods),
         "--ratios", plan.compression_ratios(), "--settings", plan.kvpress_settings(),
-        "--threads", "1", "--out", str(out), "--resume", *peer_attention(out.parent),
+        "--threads", "1", "--out", str(out), "--resume", *peer_attention(out.parent, args.board),
     ]  # fmt: skip
 
 
@@ -542,7 +554,10 @@ def main() -> None:
     parser.add_argument("--model", default="smollm2-135m")
     parser.add_argument("--length", type=int, default=4096, help="RULER length (prompt + answer)")
     parser.add_argument(
-        "--samples", type=int, default=None, help="samples per task (default: the plan's)"
+        "--samples",
+        type=int,
+        default=None,
+        help="samples per task, for every sweep (default: the plan's; KVzip's may be fewer)",
     )
     parser.add_argument(
         "--presses", default=None, help="kvpress's presses, comma-separated (default: the plan's)"
@@ -578,7 +593,9 @@ def main() -> None:
         parser.error(f"no leaderboard plan for {args.model} at {args.length}; planned: {known}")
     if args.presses:
         plan = dataclasses.replace(plan, presses=args.presses)
-    args.samples = args.samples or plan.samples
+    if args.samples:  # one count for every sweep
+        plan = dataclasses.replace(plan, samples=args.samples, kvzip_samples=None)
+    args.samples = plan.samples
     args.lanes = lanes_asked(args.lanes, len(task_parts(args.jobs)), parser)
     args.board = args.out or Path("benchmarks/ruler") / f"{args.model}-{args.length}"
     plan_sweeps = sweeps(plan)

@@ -3,6 +3,7 @@ adapters present, and the commands each sweep would run."""
 
 from __future__ import annotations
 
+import gzip
 import json
 from pathlib import Path
 
@@ -162,6 +163,7 @@ def test_best_presses_come_from_the_published_board_where_its_runs_are_elsewhere
 def test_kvpress_runs_in_the_settings_speedkvs_rows_have(tmp_path):
     class Args:
         kvpress_python, model, length, samples = "py", "m", 4096, 2
+        board = tmp_path / "board"
 
     for key, plan in board.PLANS.items():
         sweep = board.sweeps(plan)["kvpress"]
@@ -178,17 +180,46 @@ def test_every_peer_part_of_a_board_computes_attention_as_its_first_did(tmp_path
 
     class Args:
         kvpress_python, model, length, samples = "py", "m", 4096, 2
+        board = tmp_path / "board"
 
     plan = board.PLANS[("smollm2-135m", 4096)]
     kvzip = board.sweeps(plan)["kvzip"]
-    part = tmp_path / "kvpress-1of2"
-    part.mkdir()
+    work = tmp_path / "work"
+    # only archived answers, as where a sweep goes on on another machine
+    archived = Args.board / "answers" / "kvpress-1of2.kvpress-results.jsonl.gz"
+    archived.parent.mkdir(parents=True)
+    archived.write_bytes(gzip.compress(b'{"header": {"attention": "float32"}}\n{"job": "a"}\n'))
+    command = board.kvpress_command(Args, plan, kvzip, ["ruler/vt"], work / "kvzip-1of2")
+    assert command[command.index("--attention") + 1] == "float32"
+    # answers here come first
+    part = work / "kvpress-1of2"
+    part.mkdir(parents=True)
     results = part / "kvpress-results.jsonl"
-    for header, expected in [({"peer": "kvpress"}, "bfloat16"),  # from before headers said
-                             ({"peer": "kvpress", "attention": "float32"}, "float32")]:  # fmt: skip
+    # bfloat16 where a header does not say (answers from before headers said)
+    for header in [{"peer": "kvpress"}, {"peer": "kvpress", "attention": "bfloat16"}]:
         results.write_text(json.dumps({"header": header}) + "\n")
-        command = board.kvpress_command(Args, plan, kvzip, ["ruler/vt"], tmp_path / "kvzip-1of2")
-        assert command[command.index("--attention") + 1] == expected
+        command = board.kvpress_command(Args, plan, kvzip, ["ruler/vt"], work / "kvzip-1of2")
+        assert command[command.index("--attention") + 1] == "bfloat16"
+
+
+def test_kvzip_runs_on_its_own_sample_count_unless_one_is_asked_for(tmp_path):
+    """Qwen2.5's 4K plan checks KVzip on 5 samples a task (its replays cost about five
+    prefills); the plan's other sweeps keep 10, and --samples sets every sweep's."""
+
+    class Args:
+        kvpress_python, model, length, samples = "py", "qwen2.5-coder-0.5b", 4096, 10
+        board = tmp_path / "board"
+
+    def samples(plan, sweep: str) -> str:
+        command = board.kvpress_command(
+            Args, plan, board.sweeps(plan)[sweep], ["ruler/vt"], tmp_path / f"{sweep}-1of2"
+        )
+        return command[command.index("--samples") + 1]
+
+    qwen_4k = board.PLANS[("qwen2.5-coder-0.5b", 4096)]
+    assert (samples(qwen_4k, "kvzip"), samples(qwen_4k, "kvpress")) == ("5", "10")
+    assert "kvzip" not in board.sweeps(board.PLANS[("qwen2.5-coder-0.5b", 16384)])
+    assert samples(board.PLANS[("smollm2-135m", 4096)], "kvzip") == "10"  # args.samples
 
 
 def test_archived_answers_seed_a_sweep_on_another_machine(tmp_path):
@@ -286,6 +317,7 @@ def test_render_rewrites_the_records_of_peer_parts_behind_their_answers(tmp_path
 
     class Args:
         kvpress_python, model, length, samples = "kvpython", "smollm2-135m", 4096, 20
+        board = tmp_path / "board"
 
     board.refresh_peer_records(Args, board.PLANS[("smollm2-135m", 4096)], work)
     (command,) = ran
