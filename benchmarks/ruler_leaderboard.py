@@ -450,7 +450,9 @@ def render(args, plan: Plan, work: Path, out: Path) -> None:
     if not dirs and not published:
         raise SystemExit(f"no runs under {work}: run some sweeps first (--run base)")
     ttft_file = work / "ttft" / "results.json"
-    ttft = lb.bench_ttft(ttft_file) if ttft_file.exists() else None
+    # the quiet bench's ratios: this machine's `ttft` run, else those the published board took
+    # from the machine that ran it
+    ttft = lb.bench_ttft(ttft_file) if ttft_file.exists() else lb.published_bench_ttft(published)
     # rows whose runs are not here (finished on another machine) keep their published figures
     references = [
         d for s in sweeps(plan).values() if s.reference_only for d in work.glob(f"{s.name}-*of*")

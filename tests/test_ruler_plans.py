@@ -292,6 +292,40 @@ def test_render_keeps_published_rows_whose_runs_are_elsewhere(tmp_path):
     assert "- `base`: not recorded: 13 in 0.0 h" in page
 
 
+def test_a_board_rendered_without_its_ttft_run_keeps_the_published_bench_ratios(tmp_path):
+    """Runs resumed on another machine replace their published rows; the quiet bench's TTFT
+    ratios, which that machine did not measure, come from the published rows."""
+    from speedkv.evals import leaderboard as lb
+
+    def run(directory: Path, method: str) -> Path:
+        directory.mkdir(parents=True)
+        records = [
+            {"method": method, "task": t, "length": 4096, "sample": 0, "prompt_tokens": 3900,
+             "metric": "string_match_all", "score": 1.0, "kv_ratio": 0.733, "ttft_ratio": 0.9}
+            for t in board.ruler.TASKS
+        ]  # fmt: skip
+        lines = [json.dumps({"header": {}})] + [json.dumps(r) for r in records]
+        (directory / "records.jsonl").write_text("\n".join(lines) + "\n")
+        return directory
+
+    speed = "speed:lcut=22,anchors=bos,deep=1"
+    published = lb.rows_from_runs([run(tmp_path / "old" / "base-1of1", speed)],
+                                  ttft={(speed, 4096): 0.722})  # fmt: skip
+    out = tmp_path / "board"
+    out.mkdir()
+    (out / "results.json").write_text(json.dumps(lb.to_json(published)))
+    work = tmp_path / "work"
+    run(work / "base-1of1", speed)  # no work/ttft here
+
+    class Args:
+        model, length, docs = "smollm2-135m", 4096, None
+
+    board.render(Args, board.PLANS[("smollm2-135m", 4096)], work, out)
+    (row,) = json.loads((out / "results.json").read_text())
+    assert (row["ttft_ratio"], row["ttft_source"]) == (0.722, "bench")  # not the records' 0.9
+    assert "from 1 runs under" in (out / "leaderboard.md").read_text()  # the runs', not carried
+
+
 def test_render_rewrites_the_records_of_peer_parts_behind_their_answers(tmp_path, monkeypatch):
     """A kvpress part writes its records when it stops: render brings those of a running or
     killed part up to date first, and leaves the others alone."""

@@ -242,6 +242,16 @@ def bench_ttft(path: Path) -> dict[tuple[str, int], float]:
     return {(c["method"], int(c["length"])): float(c["ttft_ratio"]) for c in data["cells"]}
 
 
+def published_bench_ttft(published: Iterable[Row]) -> dict[tuple[str, int], float]:
+    """The quiet-bench TTFT ratios a published board's rows carry, as `bench_ttft` gives them:
+    what a board rendered where its `ttft` sweep's results are not keeps for speedkv's rows."""
+    return {
+        (r.method, r.length): r.ttft_ratio
+        for r in published
+        if r.engine == "speedkv" and r.ttft_source == "bench" and r.ttft_ratio is not None
+    }
+
+
 # -- the Pareto front --------------------------------------------------------------------------
 def pareto_front(points: list[tuple[float, float]]) -> list[int]:
     """Indices of the points no other point beats: none has a lower (or equal) cost with a
