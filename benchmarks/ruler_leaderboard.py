@@ -35,8 +35,9 @@ Sweeps (OUT = --work/MODEL/LENGTH):
 
 Sweeps take hours. `--archive` stores each part's answers so far beside the leaderboard
 (benchmarks/ruler/MODEL-LENGTH/answers/); a sweep started where its part has no answers yet
-resumes from them, so a long sweep can go on on another machine. `--render` keeps the published
-rows (results.json) of sweeps whose runs are not under --work.
+resumes from them, so a long sweep can go on on another machine. `--render` first restores
+every archived part that has no folder under --work (so all rows pair their samples), and keeps
+the published rows (results.json) of sweeps with neither runs nor archived answers.
 
 --jobs N splits each sweep's tasks into N groups, each run by a process of one thread (keep N
 for a sweep's life: a stopped sweep resumes with the same task groups). The sweeps asked for
@@ -440,7 +441,20 @@ def refresh_peer_records(args, plan: Plan, work: Path) -> None:
                       f"not be rewritten: {why}", file=sys.stderr)  # fmt: skip
 
 
+def restore_missing_parts(board: Path, work: Path) -> list[Path]:
+    """Restore each part archived beside the board that has no folder under `work`, so a
+    render pairs its samples with the others' (published rows keep no per-sample scores)."""
+    restored = []
+    for source in sorted((board / "answers").glob("*-*of*.*.jsonl.gz")):
+        part = work / source.name.split(".")[0]
+        if not part.exists() and restore_answers(board, part):
+            restored.append(part)
+    return restored
+
+
 def render(args, plan: Plan, work: Path, out: Path) -> None:
+    for part in restore_missing_parts(out, work):
+        print(f"{part.name}: restored from {archived(out, part)}", file=sys.stderr)
     refresh_peer_records(args, plan, work)
     dirs = sorted(p.parent for p in work.glob("*/records.jsonl"))
     published_file = out / "results.json"

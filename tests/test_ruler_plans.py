@@ -326,6 +326,22 @@ def test_a_board_rendered_without_its_ttft_run_keeps_the_published_bench_ratios(
     assert "from 1 runs under" in (out / "leaderboard.md").read_text()  # the runs', not carried
 
 
+def test_render_restores_archived_parts_missing_here(tmp_path):
+    """A board rendered on a machine that has only some of its runs reads the others from the
+    archived answers (so their samples pair), and leaves parts that are here alone."""
+    work, out = tmp_path / "work", tmp_path / "board"
+    archived_part = b'{"header": {}}\n{"task": "ruler/vt"}\n'
+    (out / "answers").mkdir(parents=True)
+    (out / "answers" / "base-1of2.records.jsonl.gz").write_bytes(gzip.compress(archived_part))
+    (out / "answers" / "adapter-1of2.records.jsonl.gz").write_bytes(gzip.compress(archived_part))
+    (work / "adapter-1of2").mkdir(parents=True)
+    (work / "adapter-1of2" / "records.jsonl").write_text("here\n")
+    assert board.restore_missing_parts(out, work) == [work / "base-1of2"]
+    assert (work / "base-1of2" / "records.jsonl").read_bytes() == archived_part
+    assert (work / "adapter-1of2" / "records.jsonl").read_text() == "here\n"
+    assert board.restore_missing_parts(out, work) == []
+
+
 def test_render_rewrites_the_records_of_peer_parts_behind_their_answers(tmp_path, monkeypatch):
     """A kvpress part writes its records when it stops: render brings those of a running or
     killed part up to date first, and leaves the others alone."""
