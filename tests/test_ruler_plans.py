@@ -239,7 +239,14 @@ def test_archived_answers_seed_a_sweep_on_another_machine(tmp_path):
         "kvpress-1of2.kvpress-results.jsonl.gz",
     ]
     first = [p.read_bytes() for p in written]
-    assert [p.read_bytes() for p in board.archive_answers(work, board_dir)] == first
+    assert board.archive_answers(work, board_dir) == []  # nothing new: the archive is kept
+    assert [p.read_bytes() for p in written] == first
+    # an archive that grew elsewhere is not replaced by an older copy restored here
+    grown = b'{"header": {}}\n{"job": "a"}\n{"job": "b"}\n'
+    written[1].write_bytes(gzip.compress(grown))
+    assert board.archive_answers(work, board_dir) == []
+    assert gzip.decompress(written[1].read_bytes()) == grown
+    written[1].write_bytes(first[1])
 
     elsewhere = tmp_path / "elsewhere"
     for part in ("kvpress-1of2", "base-2of2"):
