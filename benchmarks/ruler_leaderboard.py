@@ -192,6 +192,8 @@ PLANS: dict[tuple[str, int], Plan] = {
         agnostic=(),
         presses="best:2",
         samples=10,  # an 8K prefill costs about twice a 4K one
+        kvzip=True,  # the 4K board's best press, a sweep of its own (not among best:2)
+        kvzip_samples=3,  # about 4 minutes a sample on one core at 8K: its replays cost
     ),
     # Qwen2.5-0.5B: a prefill of 4K tokens is about four times SmolLM2's, of 16K about twenty
     # times, so fewer samples a task

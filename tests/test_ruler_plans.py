@@ -203,8 +203,9 @@ def test_every_peer_part_of_a_board_computes_attention_as_its_first_did(tmp_path
 
 
 def test_kvzip_runs_on_its_own_sample_count_unless_one_is_asked_for(tmp_path):
-    """Qwen2.5's 4K plan checks KVzip on 5 samples a task (its replays cost about five
-    prefills); the plan's other sweeps keep 10, and --samples sets every sweep's."""
+    """Qwen2.5's 4K plan checks KVzip on 5 samples a task and SmolLM2's 8K plan on 3 (its
+    replays cost about five prefills); the plans' other sweeps keep theirs, and --samples sets
+    every sweep's."""
 
     class Args:
         kvpress_python, model, length, samples = "py", "qwen2.5-coder-0.5b", 4096, 10
@@ -219,6 +220,7 @@ def test_kvzip_runs_on_its_own_sample_count_unless_one_is_asked_for(tmp_path):
     qwen_4k = board.PLANS[("qwen2.5-coder-0.5b", 4096)]
     assert (samples(qwen_4k, "kvzip"), samples(qwen_4k, "kvpress")) == ("5", "10")
     assert "kvzip" not in board.sweeps(board.PLANS[("qwen2.5-coder-0.5b", 16384)])
+    assert samples(board.PLANS[board.SMOLLM2_8K], "kvzip") == "3"  # beside best:2's 10
     assert samples(board.PLANS[("smollm2-135m", 4096)], "kvzip") == "10"  # args.samples
 
 
