@@ -281,15 +281,13 @@ def eval_command(model: str, length: int, samples: int, sweep: Sweep, tasks: lis
     ]  # fmt: skip
 
 
-def peer_attention(work: Path, board: Path) -> list[str]:
-    """`--attention` for a peer part: what the board's earliest peer answers were made with
-    (those under `work`, else those archived beside the board), so every kvpress row of a
-    board (and the full-attention row they share) computes its attention alike. Nothing while
-    no peer part has answers: the first one then decides."""
-    here = sorted(work.glob("*-*of*/kvpress-results.jsonl"))
-    archived_parts = sorted((board / "answers").glob("*-*of*.kvpress-results.jsonl.gz"))
-    for results in here + archived_parts:
-        with (gzip.open if results.suffix == ".gz" else open)(results, "rt") as lines:
+def peer_attention(work: Path) -> list[str]:
+    """`--attention` for a peer part: what the board's earliest peer answers under `work` were
+    made with (run_sweeps restores the archived ones first), so every kvpress row of a board
+    (and the full-attention row they share) computes its attention alike. Nothing while no
+    peer part has answers: the first one then decides."""
+    for results in sorted(work.glob("*-*of*/kvpress-results.jsonl")):
+        with open(results) as lines:
             first = lines.readline()
         header = json.loads(first).get("header") if first.strip() else None
         if header:
@@ -304,7 +302,7 @@ def kvpress_command(args, plan: Plan, sweep: Sweep, tasks: list[str], out: Path)
         "--tasks", ",".join(tasks), "--length", str(args.length),
         "--samples", str(sweep.samples or args.samples), "--presses", ",".join(sweep.methods),
         "--ratios", plan.compression_ratios(), "--settings", plan.kvpress_settings(),
-        "--threads", "1", "--out", str(out), "--resume", *peer_attention(out.parent, args.board),
+        "--threads", "1", "--out", str(out), "--resume", *peer_attention(out.parent),
     ]  # fmt: skip
 
 
@@ -391,7 +389,11 @@ def lanes_asked(text: str, jobs: int, parser: argparse.ArgumentParser) -> list[i
 def run_sweeps(args, plan: Plan, sweeps: list[Sweep], work: Path) -> None:
     """Sweeps one after another, their task groups in `args.jobs` lanes that run side by side:
     a lane goes on to its group of the next sweep as soon as its own is done, so no core waits
-    for the slowest group of each sweep, only of the last."""
+    for the slowest group of each sweep, only of the last. Every part archived beside the board
+    and missing here is restored first: a part on another machine reads the board's answers so
+    far (a peer part, the attention they were made with)."""
+    for part in restore_missing_parts(args.board, work):
+        print(f"{part.name}: restored from {archived(args.board, part)}", file=sys.stderr)
     parts = [lane - 1 for lane in args.lanes] if args.lanes else range(len(task_parts(args.jobs)))
     with ThreadPoolExecutor(max_workers=len(parts)) as pool:
         failed = [f for f in pool.map(lambda i: run_lane(args, plan, sweeps, work, i), parts) if f]

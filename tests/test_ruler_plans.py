@@ -174,26 +174,35 @@ def test_kvpress_runs_in_the_settings_speedkvs_rows_have(tmp_path):
     assert board.PLANS[("smollm2-135m", 4096)].kvpress_settings() == "aware,agnostic"
 
 
-def test_every_peer_part_of_a_board_computes_attention_as_its_first_did(tmp_path):
+def test_every_peer_part_of_a_board_computes_attention_as_its_first_did(tmp_path, monkeypatch):
     """KVzip's part (and its full-attention answers, merged with the other parts') follows
     the attention of the board's kvpress answers, whichever this machine would choose."""
 
     class Args:
         kvpress_python, model, length, samples = "py", "m", 4096, 2
         board = tmp_path / "board"
+        jobs, lanes = 2, []
 
     plan = board.PLANS[("smollm2-135m", 4096)]
     kvzip = board.sweeps(plan)["kvzip"]
     work = tmp_path / "work"
-    # only archived answers, as where a sweep goes on on another machine
+    # only archived answers, as where a sweep goes on on another machine: the sweeps restore
+    # them before any part's command is made
     archived = Args.board / "answers" / "kvpress-1of2.kvpress-results.jsonl.gz"
     archived.parent.mkdir(parents=True)
     archived.write_bytes(gzip.compress(b'{"header": {"attention": "float32"}}\n{"job": "a"}\n'))
-    command = board.kvpress_command(Args, plan, kvzip, ["ruler/vt"], work / "kvzip-1of2")
-    assert command[command.index("--attention") + 1] == "float32"
-    # answers here come first
+    commands = []
+
+    def lane(args, plan, sweeps, work, part):
+        commands.append(
+            board.kvpress_command(args, plan, sweeps[0], ["ruler/vt"], work / "kvzip-1of2")
+        )
+
+    monkeypatch.setattr(board, "run_lane", lane)
+    board.run_sweeps(Args, plan, [kvzip], work)
+    assert [c[c.index("--attention") + 1] for c in commands] == ["float32", "float32"]
+    # what is here decides (the restored part, rewritten)
     part = work / "kvpress-1of2"
-    part.mkdir(parents=True)
     results = part / "kvpress-results.jsonl"
     # bfloat16 where a header does not say (answers from before headers said)
     for header in [{"peer": "kvpress"}, {"peer": "kvpress", "attention": "bfloat16"}]:
