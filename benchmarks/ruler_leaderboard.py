@@ -348,12 +348,8 @@ def restore_answers(board: Path, part: Path) -> bool:
 
 
 def part_command(args, plan: Plan, sweep: Sweep, tasks: list[str], out: Path) -> list[str]:
-    """One task group's run of a sweep, its archived answers restored first, so that what the
-    command reads (a peer's attention, the answers to resume from) is there when it starts."""
+    """One task group's run of a sweep (run_sweeps has restored its archived answers)."""
     out.parent.mkdir(parents=True, exist_ok=True)
-    if restore_answers(args.board, out):
-        print(f"[{sweep.name}] {out.name}: resuming from {archived(args.board, out)}",
-              file=sys.stderr)  # fmt: skip
     if sweep.peer:
         return kvpress_command(args, plan, sweep, tasks, out)
     return eval_command(args.model, args.length, args.samples, sweep, tasks, out)
@@ -390,10 +386,9 @@ def run_sweeps(args, plan: Plan, sweeps: list[Sweep], work: Path) -> None:
     """Sweeps one after another, their task groups in `args.jobs` lanes that run side by side:
     a lane goes on to its group of the next sweep as soon as its own is done, so no core waits
     for the slowest group of each sweep, only of the last. Every part archived beside the board
-    and missing here is restored first: a part on another machine reads the board's answers so
-    far (a peer part, the attention they were made with)."""
-    for part in restore_missing_parts(args.board, work):
-        print(f"{part.name}: restored from {archived(args.board, part)}", file=sys.stderr)
+    and without answers here is restored first: a part on another machine resumes from the
+    board's answers so far, and a peer part reads the attention they were made with."""
+    restore_missing_parts(args.board, work)
     parts = [lane - 1 for lane in args.lanes] if args.lanes else range(len(task_parts(args.jobs)))
     with ThreadPoolExecutor(max_workers=len(parts)) as pool:
         failed = [f for f in pool.map(lambda i: run_lane(args, plan, sweeps, work, i), parts) if f]
@@ -449,19 +444,20 @@ def refresh_peer_records(args, plan: Plan, work: Path) -> None:
 
 
 def restore_missing_parts(board: Path, work: Path) -> list[Path]:
-    """Restore each part archived beside the board that has no folder under `work`, so a
-    render pairs its samples with the others' (published rows keep no per-sample scores)."""
+    """Restore each part archived beside the board that has no answers under `work` (see
+    restore_answers), saying so: a sweep resumes from them, and a render pairs their samples
+    with the others' (published rows keep no per-sample scores). Returns the parts restored."""
     restored = []
     for source in sorted((board / "answers").glob("*-*of*.*.jsonl.gz")):
         part = work / source.name.split(".")[0]
-        if not part.exists() and restore_answers(board, part):
+        if restore_answers(board, part):
+            print(f"{part.name}: restored from {source}", file=sys.stderr)
             restored.append(part)
     return restored
 
 
 def render(args, plan: Plan, work: Path, out: Path) -> None:
-    for part in restore_missing_parts(out, work):
-        print(f"{part.name}: restored from {archived(out, part)}", file=sys.stderr)
+    restore_missing_parts(out, work)
     refresh_peer_records(args, plan, work)
     dirs = sorted(p.parent for p in work.glob("*/records.jsonl"))
     published_file = out / "results.json"

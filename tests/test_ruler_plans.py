@@ -345,17 +345,21 @@ def test_a_board_rendered_without_its_ttft_run_keeps_the_published_bench_ratios(
 
 
 def test_render_restores_archived_parts_missing_here(tmp_path):
-    """A board rendered on a machine that has only some of its runs reads the others from the
-    archived answers (so their samples pair), and leaves parts that are here alone."""
+    """A board rendered (or a sweep run) on a machine that has only some of its runs reads the
+    others from the archived answers (so their samples pair), and leaves parts that are here
+    alone; a part whose folder is here without answers (a run stopped before its first) counts
+    as missing."""
     work, out = tmp_path / "work", tmp_path / "board"
     archived_part = b'{"header": {}}\n{"task": "ruler/vt"}\n'
     (out / "answers").mkdir(parents=True)
-    (out / "answers" / "base-1of2.records.jsonl.gz").write_bytes(gzip.compress(archived_part))
-    (out / "answers" / "adapter-1of2.records.jsonl.gz").write_bytes(gzip.compress(archived_part))
+    for part in ("base-1of2", "base-2of2", "adapter-1of2"):
+        (out / "answers" / f"{part}.records.jsonl.gz").write_bytes(gzip.compress(archived_part))
     (work / "adapter-1of2").mkdir(parents=True)
     (work / "adapter-1of2" / "records.jsonl").write_text("here\n")
-    assert board.restore_missing_parts(out, work) == [work / "base-1of2"]
+    (work / "base-2of2").mkdir()
+    assert board.restore_missing_parts(out, work) == [work / "base-1of2", work / "base-2of2"]
     assert (work / "base-1of2" / "records.jsonl").read_bytes() == archived_part
+    assert (work / "base-2of2" / "records.jsonl").read_bytes() == archived_part
     assert (work / "adapter-1of2" / "records.jsonl").read_text() == "here\n"
     assert board.restore_missing_parts(out, work) == []
 
