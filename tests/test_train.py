@@ -304,9 +304,8 @@ def test_mix_spec_parsing():
             parse_mix(bad)
 
 
-def test_builtin_mix_is_seeded_fits_and_uses_training_essays_only(smol_tokenizer):
-    from speedkv.prompts.builders import TextSource
-    from speedkv.prompts.haystack import essays, sentences, split_names
+def test_builtin_mix_is_seeded_fits_and_never_uses_evaluation_text(smol_tokenizer):
+    from speedkv.prompts.haystack import essays, sentences
     from speedkv.train.data import DEFAULT_WEIGHTS, build_mix, tokenize_all
 
     def answer(conversations):
@@ -320,9 +319,13 @@ def test_builtin_mix_is_seeded_fits_and_uses_training_essays_only(smol_tokenizer
     assert dropped == 0 and len(examples) == 24
     assert all(e.prompt_len >= 1 and e.response_len >= 1 for e in examples)
     assert {e.kind for e in examples} <= set(DEFAULT_WEIGHTS)
-    train = split_names("train")
-    assert TextSource(smol_tokenizer).pool == [s for n in train for s in sentences(essays()[n])]
-    assert not set(train) & set(split_names("eval"))
+    # the default text is Python's documentation: no essay sentence (RULER's haystack, and
+    # speedkv's evaluation text) is in any record
+    text = json.dumps(first)
+    long_sentences = [s for t in essays().values() for s in sentences(t) if len(s) > 60]
+    assert long_sentences and not any(json.dumps(s)[1:-1] in text for s in long_sentences)
+    essay_mix = build_mix(*args, seed=1, responder=answer, progress=False, text="essays")
+    assert any(json.dumps(s)[1:-1] in json.dumps(essay_mix) for s in long_sentences)
 
 
 def test_chat_and_raw_records_tokenise_as_inference_does(smol_tokenizer):

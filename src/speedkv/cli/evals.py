@@ -99,7 +99,9 @@ def eval_command(
         str,
         typer.Option(
             "--split",
-            help="Essays and sanity prompts: eval (measuring) or calib (designing settings).",
+            help="Haystack text and sanity prompts: eval (measuring) or calib (designing "
+            "settings), of the essays, or of another corpus as CORPUS:SPLIT (pydocs:eval: "
+            "Python's documentation, text no training and no RULER task uses).",
         ),
     ] = "eval",
     out: OutDir = Path("runs/eval"),
@@ -141,10 +143,11 @@ def eval_command(
     from speedkv.evals.report import markdown_tables
     from speedkv.evals.runner import EvalConfig, EvalRunner
     from speedkv.evals.tasks import parse_depths, parse_n, parse_tasks
+    from speedkv.prompts.haystack import parse_split
 
     task_list = parse_tasks(tasks)
-    if split not in ("eval", "calib"):
-        raise UserError(f"split must be eval or calib, got '{split}'")
+    if parse_split(split)[1] not in ("eval", "calib"):
+        raise UserError(f"split must be eval or calib (of any corpus), got '{split}'")
     config = EvalConfig(
         model=model_label(model, weights),
         methods=list(methods),

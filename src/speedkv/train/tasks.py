@@ -9,13 +9,18 @@ continuation and short instructions keep its decode distribution close to the mo
 - kv: a lookup among many keys (a JSON object of UUIDs, codes scattered through text, or
   every value one key is given),
 - vartrack: a chain of variable assignments scattered through text (RULER's variable tracking),
+- multiquery: several keys asked at once, every value answered in the order asked,
+- wordfreq: counting over many spans: a long list or run of words in which a few recur more
+  often than the rest, and the question which recur most, most frequent first,
 - continue: raw essay text; the prompt is its beginning, the response the next tokens,
 - instruct: short instructions, alone or about a passage, answered later by the base model
   itself at full depth (self-distillation), so short-prompt behaviour is kept.
 
 Every record is a dict: chat records have `messages` (the last one the assistant's, whose
 content is None for instruct records until the base model answers), raw records `prompt` and
-`response`. `kind` says which task made it. Only essays of the "train" split are used.
+`response`. `kind` says which task made it. The text comes from the `TextSource` given,
+whose corpus is the training split of Python's documentation by default: no evaluation
+haystack (essays, RULER's text) is ever trained on.
 """
 
 from __future__ import annotations
@@ -411,6 +416,54 @@ def vartrack(rng: random.Random, source: TextSource, budget: int) -> dict:
     return _chat("vartrack", _layout(rng, " ".join(parts), question), answer)
 
 
+def multiquery(rng: random.Random, source: TextSource, budget: int) -> dict:
+    """Codes for several words scattered through text; two to four of them asked at once."""
+    words = rng.sample(WORDS, rng.randint(4, 12))
+    codes = {w: _number(rng) for w in words}
+    asked = rng.sample(words, rng.randint(2, min(4, len(words))))
+    facts = [f"The code for {w} is {codes[w]}." for w in words]
+    overhead = source.tokens(" ".join(facts)) + 80
+    document = _planted(rng, source.text(rng, budget - overhead), facts)
+    question = f"What are the codes for {', '.join(asked[:-1])} and {asked[-1]}?"
+    answer = " ".join(f"The code for {w} is {codes[w]}." for w in asked)
+    return _chat("multiquery", _layout(rng, document, question), answer)
+
+
+def wordfreq(rng: random.Random, source: TextSource, budget: int) -> dict:
+    """A numbered list of words (or a plain run of them) in which `top` words recur more
+    often than every other word; the answer names them from the most frequent down."""
+    words = {w.strip(".,;:()[]'\"`").lower() for w in source.text(rng, 20000).split()}
+    vocabulary = sorted(w for w in words if w.isalpha() and 3 <= len(w) <= 12)
+    rare_max = rng.randint(1, 3)  # how often a word outside the top may recur
+    numbered = rng.random() < 0.5
+    per_item = 5 if numbered else 2  # tokens of "123. word\n" or of " word", about
+    slots = (budget - 120) // per_item
+    # the top words' counts are distinct and above every other word's; they fill at most
+    # half the list, so that many other words surround them
+    fits = [t for t in (3, 5, 10) if 2 * t * (rare_max + 2 * t) <= slots]
+    top = rng.choice(fits or [3])
+    counts = sorted(rng.sample(range(rare_max + 1, rare_max + 1 + 2 * top), top), reverse=True)
+    bonus = max(0, slots // (8 * top) - counts[-1])  # long lists: the top words stand out
+    counts = [c + bonus for c in counts]
+    rng.shuffle(vocabulary)
+    common, rare = vocabulary[:top], vocabulary[top:]
+    items = [w for w, c in zip(common, counts) for _ in range(c)]
+    for at, word in enumerate(rare):
+        if len(items) >= slots and at >= 8:
+            break
+        items += [word] * rng.randint(1, rare_max)
+    rng.shuffle(items)
+    if numbered:
+        body = "\n".join(f"{i}. {w}" for i, w in enumerate(items, 1))
+        lead = "Below is a numbered list of words. Some of them appear more often than others."
+    else:
+        body = " ".join(items)
+        lead = "Read the following run of words and keep track of how often each one occurs."
+    question = f"Which {top} words appear most often above? List them, most frequent first."
+    answer = f"The {top} most frequent words are: {', '.join(common)}."
+    return _chat("wordfreq", f"{lead}\n\n{body}\n\n{question}", answer)
+
+
 def continuation(rng: random.Random, source: TextSource, budget: int) -> dict:
     """Raw text: the response is the next 24..160 tokens, split at a sentence or mid-text
     (the first tokens after the prompt are where shallow prefill costs the most)."""
@@ -461,6 +514,8 @@ TASKS: dict[str, Callable[[random.Random, TextSource, int], dict]] = {
     "passkey": passkey,
     "kv": kv,
     "vartrack": vartrack,
+    "multiquery": multiquery,
+    "wordfreq": wordfreq,
     "continue": continuation,
     "instruct": instruct,
 }

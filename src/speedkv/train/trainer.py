@@ -36,7 +36,9 @@ from speedkv.hf.adapters import INFO_NAME
 from speedkv.hf.backbone import enable_activation_checkpointing
 from speedkv.log import log as _log
 from speedkv.methods.speed import DEFAULT_DEEP
+from speedkv.prompts.haystack import CORPORA
 from speedkv.train.data import (
+    DEFAULT_TEXT,
     MIN_SEQ_LEN,
     Example,
     base_model_responder,
@@ -72,6 +74,7 @@ class TrainConfig:
     model: str = "smollm2-135m"
     method: str = "speed:lcut=22,anchors=bos"
     data: str = "builtin"
+    text: str = DEFAULT_TEXT  # the corpus the built-in mix's text comes from
     lora_r: int = 16
     lora_alpha: int = 32
     lora_dropout: float = 0.0
@@ -117,6 +120,7 @@ class TrainConfig:
             (self.log_every >= 1, f"log-every must be at least 1, got {self.log_every}"),
             (self.probe_every >= 0, "probe-every must be >= 0 (0 turns probes off)"),
             (self.save_dtype in ("float32", "bfloat16"), "save-dtype must be float32 or bfloat16"),
+            (self.text in CORPORA, f"text must be one of {', '.join(CORPORA)}, got '{self.text}'"),
         ]
         for ok, message in checks:
             if not ok:
@@ -156,14 +160,16 @@ def load_examples(config: TrainConfig, loaded, out: Path) -> tuple[list[Example]
             "seq_len": config.seq_len,
             "seed": config.seed,
             "model": loaded.name,
+            "text": config.text,
         }
         records = load_built(out / "data.jsonl", meta)
         if records is None:
             log(f"building {count} examples of {meta['mix']} (seed {config.seed})")
             responder = base_model_responder(loaded) if weights.get("instruct") else None
             records = build_mix(
-                loaded.tokenizer, count, weights, config.seq_len, config.seed, responder
-            )
+                loaded.tokenizer, count, weights, config.seq_len, config.seed, responder,
+                text=config.text,
+            )  # fmt: skip
             save_jsonl(records, out / "data.jsonl", meta)
         else:
             log(f"reusing {len(records)} examples from {out / 'data.jsonl'}")
@@ -382,7 +388,9 @@ def run_training(
         from speedkv.train.callbacks import probe_callback
         from speedkv.train.probe import Probe
 
-        probe = Probe(loaded.tokenizer, vis, config.seq_len, config.probe_every, config.seed)
+        probe = Probe(
+            loaded.tokenizer, vis, config.seq_len, config.probe_every, config.seed, config.text
+        )
         trainer.add_callback(probe_callback(trainer, probe))
     trainer.run_info = training_record(
         loaded, vis.spec, config, data_info, trainable, command=command
