@@ -95,7 +95,7 @@ def test_adapter_and_settings_are_rows_of_their_own(tmp_path: Path) -> None:
     assert table.count("SPEED-22 (") == 1 and table.count("SPEED-22 + adapter") == 1
     # a task scored 0.5 may spread as far as one right and one wrong answer: the bound, on 1
     # sample a task
-    assert "| 0.0 ± 0.0 | 50.0 ± 27.2 |" in table
+    assert "| 0.0 ± 0.0 | 50.0 ± 30.0 |" in table
 
 
 def test_a_shared_prefill_is_question_in_view_whatever_its_record_says(tmp_path: Path) -> None:
@@ -305,6 +305,18 @@ def test_a_rows_margin_is_the_95_percent_interval_of_its_task_means(tmp_path: Pa
     partial = [r for r in records if r["task"] != ruler.TASKS[0]]
     (unranked,) = lb.rows_from_runs([write_run(tmp_path / "p", {}, partial)])
     assert unranked.margin is None
+
+
+def test_few_samples_a_task_widen_the_margin_to_students_t(tmp_path: Path) -> None:
+    # 4 samples a task, half right: each task mean's variance is 0.25 / 4, all alike, so the
+    # Welch-Satterthwaite degrees of freedom are 13 * 3 = 39 and t(0.975, 39) = 2.0227
+    records = [record("full", t, i, float(i % 2)) for t in ruler.TASKS for i in range(4)]
+    (row,) = lb.rows_from_runs([write_run(tmp_path / "r", {}, records)])
+    assert row.margin == pytest.approx(2.0227 * (13 * 0.0625) ** 0.5 / 13, rel=1e-4)
+    assert lb.critical_value([(0.1, 10), (0.2, 30)]) == 1.96
+    assert lb.critical_value([(0.0, 3), (0.0, 3)]) == 1.96  # no spread: nothing to widen
+    # one task of 2 samples dominating the spread: close to t with 1 degree of freedom
+    assert lb.critical_value([(1.0, 2), (1e-6, 40)]) == pytest.approx(12.706, rel=1e-3)
 
 
 def test_speed_meets_each_press_at_its_kv_ratio_with_the_margins(tmp_path: Path) -> None:

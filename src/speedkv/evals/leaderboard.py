@@ -27,6 +27,7 @@ from speedkv.evals.report import median_ttft_ratio, ruler_score, summarise
 
 AWARE, AGNOSTIC = "aware", "agnostic"
 Z95 = 1.96  # a normal 95 % interval
+T_BELOW = 10  # tasks with fewer samples than this get Student's t instead of the normal
 KV_MATCH = 0.01  # rows within this of each other's KV ratio hold the same share of the cache
 SETTING_LABELS = {AWARE: "query-aware", AGNOSTIC: "query-agnostic"}
 KVPRESS_NONE = "kvpress:none"  # kvpress's pipeline without a press: its engine's full attention
@@ -92,8 +93,11 @@ class Row:
         tasks), and the tasks' samples are drawn independently. None until every task has one."""
         if not self.complete:
             return None
-        spread = sum(self.scores[t] * (1 - self.scores[t]) / self.counts[t] for t in ruler.TASKS)
-        return Z95 * math.sqrt(spread) / len(ruler.TASKS)
+        parts = [
+            (self.scores[t] * (1 - self.scores[t]) / self.counts[t], self.counts[t])
+            for t in ruler.TASKS
+        ]
+        return critical_value(parts) * math.sqrt(sum(v for v, _ in parts)) / len(ruler.TASKS)
 
     @property
     def min_samples(self) -> int:
@@ -102,6 +106,22 @@ class Row:
     @property
     def label(self) -> str:
         return method_label(self.method, self.engine) + (" + adapter" if self.adapter else "")
+
+
+def critical_value(parts: list[tuple[float, int]]) -> float:
+    """The 95 % two-sided critical value for a sum of independent task means, each given as
+    (variance of its mean, samples): the normal's 1.96 where every task has at least `T_BELOW`
+    samples, else Student's t with the Welch-Satterthwaite degrees of freedom of the sum (a
+    task of one sample counts as one degree of freedom)."""
+    if all(n >= T_BELOW for _, n in parts):
+        return Z95
+    total = sum(v for v, _ in parts)
+    denominator = sum(v * v / max(1, n - 1) for v, n in parts)
+    if total <= 0 or denominator <= 0:
+        return Z95  # no spread at all: the margin is zero whatever the factor
+    from scipy.stats import t as student_t
+
+    return float(student_t.ppf(0.975, total * total / denominator))
 
 
 def method_label(method: str, engine: str = "speedkv") -> str:
@@ -352,8 +372,12 @@ def difference(a: Row, b: Row) -> tuple[float, float, bool]:
         if all(len(by_task.get(t, ())) >= 2 for t in ruler.TASKS):
             tasks = len(ruler.TASKS)
             gap = sum(statistics.fmean(by_task[t]) for t in ruler.TASKS) / tasks
-            spread = sum(statistics.variance(by_task[t]) / len(by_task[t]) for t in ruler.TASKS)
-            return gap, Z95 * math.sqrt(spread) / tasks, True
+            parts = [
+                (statistics.variance(by_task[t]) / len(by_task[t]), len(by_task[t]))
+                for t in ruler.TASKS
+            ]
+            spread = sum(v for v, _ in parts)
+            return gap, critical_value(parts) * math.sqrt(spread) / tasks, True
     return a.average - b.average, math.hypot(a.margin, b.margin), False
 
 
