@@ -161,14 +161,17 @@ def fake_config(v2: bool = False, graphs=None, pipeline: int = 1, hf_config=None
             chosen = os.environ.get("VLLM_USE_V2_MODEL_RUNNER")
             return v2 if chosen is None else chosen == "1"
 
+    # the options vLLM settles after the config hook: None where the user left them
+    passes = SimpleNamespace(fuse_rope_kvcache=None, fuse_qk_norm_rope_kvcache=None)
     return Config(
         model_config=SimpleNamespace(hf_config=hf_config),
-        compilation_config=SimpleNamespace(cudagraph_mode=graphs),
+        compilation_config=SimpleNamespace(cudagraph_mode=graphs, pass_config=passes),
         parallel_config=SimpleNamespace(pipeline_parallel_size=pipeline,
                                         decode_context_parallel_size=1,
                                         prefill_context_parallel_size=1, enable_dbo=False,
                                         use_ubatching=False),  # fmt: skip
         cache_config=SimpleNamespace(enable_prefix_caching=False, kv_sharing_fast_prefill=False),
-        scheduler_config=SimpleNamespace(disable_hybrid_kv_cache_manager=False),
+        scheduler_config=SimpleNamespace(disable_hybrid_kv_cache_manager=False,
+                                         async_scheduling=None),  # fmt: skip
         kv_transfer_config=None, speculative_config=None, lora_config=None,
     )  # fmt: skip

@@ -33,6 +33,7 @@ from speedkv.vllm import batch
 from speedkv.vllm.args import engine_args
 from speedkv.vllm.attention import speed_backend
 from speedkv.vllm.compact import compact_length
+from speedkv.vllm.metadata import pinned_copies, to_device
 
 ANCHORS, DEEP = 1, 2
 LAYER = "model.layers.22.self_attn.attn"
@@ -330,3 +331,22 @@ def test_kernel_blocks_smaller_than_the_managers_name_the_same_slots(vllm_config
         row = kernel_table[kept.index(r)]
         assert int(row[c // kernel_block]) * kernel_block + c % kernel_block == slot
         assert int(row[0]) == int(step.table[r, 0]) * per_block
+
+
+def test_host_tensors_reach_the_device_as_they_were():
+    """The builder's per-step host tensors reach the step's device unchanged: on a CPU by the
+    plain copy it always made (no pinned memory), on a CUDA GPU from a fresh pinned buffer,
+    asynchronously. There, many copies in flight while their host buffers are freed and the
+    host allocates again must each arrive intact."""
+    host = torch.arange(1000, dtype=torch.long) * 7
+    same = to_device(host, "cpu", torch.int32)
+    assert same.dtype == torch.int32 and torch.equal(same, host.int()) and not same.is_pinned()
+    if not torch.cuda.is_available():
+        return
+    assert pinned_copies()
+    sent = [torch.randint(0, 1 << 30, (4096,)) for _ in range(64)]
+    arrived = [to_device(t, "cuda", torch.int32) for t in sent]
+    for i in range(64):  # host memory churns while the copies may still run
+        torch.empty(4096, dtype=torch.int32, pin_memory=True).fill_(-i)
+    torch.cuda.synchronize()
+    assert all(torch.equal(a.cpu(), t.int()) for a, t in zip(arrived, sent))

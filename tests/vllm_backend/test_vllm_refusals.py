@@ -38,6 +38,12 @@ CASES = {
     "dual-batch-overlap": ({"enable_dbo": True}, "micro-batched"),
     "no-hybrid-manager": ({"disable_hybrid_kv_cache_manager": True}, "hybrid KV cache manager"),
     "fast-prefill": ({"kv_sharing_fast_prefill": True}, "kv_sharing_fast_prefill"),
+    # embeddings, rewards: vLLM converts the causal LM into a pooling model
+    "pooling": ({"runner": "pooling"}, "pooling runner"),
+    # vLLM turns this into an OffloadingConnector after the config hook has run
+    "kv-offloading": ({"kv_offloading_size": 1.0}, "KV offloading"),
+    # vLLM's default on CUDA; the CPU build turns it off after the config hook
+    "async-scheduling": ({"async_scheduling": True}, "asynchronous scheduling"),
 }
 
 
@@ -78,14 +84,94 @@ def test_stock_blocks_turn_prefix_caching_off(directory):
 
 
 def test_on_a_gpu_speed_chooses_the_v1_runner_and_no_graphs(monkeypatch):
-    """A GPU install defaults to Model Runner V2 and FULL_AND_PIECEWISE CUDA graphs. Where the
-    user chose neither, SPEED takes V1 and no graphs (torch.compile stays on)."""
+    """A GPU install defaults to Model Runner V2, FULL_AND_PIECEWISE CUDA graphs and
+    asynchronous scheduling, and ROCm with AITER to the fused RoPE + KV-cache write. Where the
+    user chose none of them, SPEED takes V1, no graphs, no async scheduling and no fused
+    write (torch.compile stays on)."""
     monkeypatch.delenv(support.V2_RUNNER, raising=False)
     monkeypatch.setattr(support, "_on_cpu", lambda: False)
     config = fake_config(v2=True)
     support.prepare(config)
     assert support.os.environ[support.V2_RUNNER] == "0" and not config.use_v2_model_runner
     assert config.compilation_config.cudagraph_mode == CUDAGraphMode.NONE
+    assert config.scheduler_config.async_scheduling is False
+    passes = config.compilation_config.pass_config
+    assert passes.fuse_rope_kvcache is False and passes.fuse_qk_norm_rope_kvcache is False
+
+
+@pytest.mark.parametrize("fusion", support.FUSED_KV_WRITES)
+def test_a_fused_rope_and_kv_cache_write_is_refused(directory, monkeypatch, fusion):
+    """vLLM keeps the fused RoPE + KV-cache write passes on ROCm only (it turns them off
+    elsewhere as the pass configuration is made): that configuration is made here as on ROCm,
+    then the engine's configuration is built from it, as `LLM(...)` would."""
+    from vllm.config import CompilationConfig, PassConfig
+    from vllm.platforms import current_platform
+
+    with monkeypatch.context() as rocm:
+        rocm.setattr(current_platform, "is_rocm", lambda: True)
+        compilation = CompilationConfig(cudagraph_mode="NONE",
+                                        pass_config=PassConfig(**{fusion: True}))  # fmt: skip
+    assert getattr(compilation.pass_config, fusion) is True
+    with pytest.raises(Unsupported, match="fused RoPE and KV-cache write") as refused:
+        build_config(directory, compilation_config=compilation)
+    assert "\n" not in str(refused.value)
+
+
+def tiny_config(directory, family: str, **options):
+    """A config.json alone: vLLM builds an engine configuration from it without weights."""
+    from transformers import MistralConfig, Qwen2Config
+
+    kind = {"mistral": MistralConfig, "qwen2": Qwen2Config}[family]
+    kind(vocab_size=512, hidden_size=128, intermediate_size=256, num_hidden_layers=4,
+         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=1024,
+         **options).save_pretrained(directory)  # fmt: skip
+    return directory
+
+
+def speed_overrides(arch: str = "SpeedLlamaForCausalLM", **more):
+    """SPEED selected by hand, as a user may write it without `engine_args`."""
+    return {"architectures": [arch], "speedkv_lcut": 3, "speedkv_anchors": 1,
+            "speedkv_deep": 1, **more}  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    ("family", "options", "arch", "more"),
+    [
+        ("mistral", {"sliding_window": 64}, "SpeedLlamaForCausalLM", {}),
+        # every layer sliding: vLLM's cache configuration carries the window
+        ("qwen2", {"use_sliding_window": True, "sliding_window": 64, "max_window_layers": 0},
+         "SpeedQwen2ForCausalLM", {}),
+        # the upper two layers sliding: their layer types carry it
+        ("qwen2", {"use_sliding_window": True, "sliding_window": 64, "max_window_layers": 2},
+         "SpeedQwen2ForCausalLM", {}),
+        # switched on in hf_overrides, after the config dropped its window
+        ("qwen2", {}, "SpeedQwen2ForCausalLM", {"use_sliding_window": True}),
+    ],
+)  # fmt: skip
+def test_sliding_window_models_are_refused_at_llm(tmp_path, family, options, arch, more):
+    """`LLM(...)` with SPEED selected by hand on a sliding-window model: refused as the
+    configuration is built, before any weights are read (there are none)."""
+    from vllm import LLM
+
+    model = tiny_config(tmp_path, family, **options)
+    with pytest.raises(Unsupported, match="sliding-window attention") as refused:
+        LLM(model=str(model), hf_overrides=speed_overrides(arch, **more), dtype="float32",
+            skip_tokenizer_init=True, enforce_eager=True)  # fmt: skip
+    assert "\n" not in str(refused.value)
+
+
+def test_a_qwen2_without_its_window_and_a_disabled_window_start(tmp_path):
+    """Qwen2 checkpoints carry a window they do not use (use_sliding_window false): not
+    refused; nor is a window the user disables (vLLM then runs full attention within it)."""
+    plain = tiny_config(tmp_path / "plain", "qwen2", sliding_window=64)
+    config = EngineArgs(model=str(plain), hf_overrides=speed_overrides("SpeedQwen2ForCausalLM"),
+                        skip_tokenizer_init=True).create_engine_config()  # fmt: skip
+    assert support.sliding_window(config) is None
+    windowed = tiny_config(tmp_path / "windowed", "mistral", sliding_window=64)
+    config = EngineArgs(model=str(windowed), hf_overrides=speed_overrides(),
+                        disable_sliding_window=True,
+                        skip_tokenizer_init=True).create_engine_config()  # fmt: skip
+    assert support.sliding_window(config) is None and config.model_config.max_model_len == 64
 
 
 @pytest.mark.parametrize("mode", [CUDAGraphMode.FULL_AND_PIECEWISE, CUDAGraphMode.PIECEWISE,

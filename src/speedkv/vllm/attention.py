@@ -35,7 +35,7 @@ from speedkv.vllm.compact import (
     requests_short_of_blocks,
     step_positions,
 )
-from speedkv.vllm.metadata import check_fields, compact_metadata
+from speedkv.vllm.metadata import check_fields, compact_metadata, to_device
 from speedkv.vllm.settings import SpeedSettings
 
 NO_GRAPHS = (
@@ -107,7 +107,8 @@ class SpeedBuilderMixin:
         slots = compact_slots(table, found, held.block_size)
         compact = compact_metadata(common, found, slots)
         metadata = super().build(0, compact, fast_build, **kwargs)
-        metadata.speed_rows = found.rows.to(common.query_start_loc.device)
+        # pinned and non-blocking on a GPU: the host tensor is the builder's own (metadata.py)
+        metadata.speed_rows = to_device(found.rows, common.query_start_loc.device)
         metadata.speed_rows_cpu = found.rows
         return metadata
 

@@ -19,6 +19,7 @@ Pure Python and torch, so the rules are tested without vLLM.
 from __future__ import annotations
 
 import dataclasses
+import functools
 from typing import Any
 
 import numpy as np
@@ -89,15 +90,15 @@ def compact_metadata(common: Any, rows: FullDepthRows, slots: torch.Tensor) -> A
     device = common.query_start_loc.device
     query_lens = rows.query_start[1:] - rows.query_start[:-1]
     compact = {
-        "query_start_loc": rows.query_start.to(device, common.query_start_loc.dtype),
+        "query_start_loc": to_device(rows.query_start, device, common.query_start_loc.dtype),
         "query_start_loc_cpu": rows.query_start.to(common.query_start_loc_cpu.dtype),
-        "seq_lens": rows.seq_lens.to(device, common.seq_lens.dtype),
+        "seq_lens": to_device(rows.seq_lens, device, common.seq_lens.dtype),
         "seq_lens_cpu_upper_bound": rows.seq_lens.clone(),
         "num_reqs": int(rows.requests.numel()),
         "num_actual_tokens": rows.count,
         "max_query_len": int(query_lens.max()),
         "max_seq_len": int(rows.seq_lens.max()),
-        "slot_mapping": slots.to(device, common.slot_mapping.dtype),
+        "slot_mapping": to_device(slots, device, common.slot_mapping.dtype),
     }
     values = {}
     for field in dataclasses.fields(common):
@@ -125,4 +126,40 @@ def _take(value: Any, index: torch.Tensor) -> Any:
         return value
     if isinstance(value, np.ndarray):
         return value[index.numpy()]
-    return value[index.to(value.device)]
+    return value[to_device(index, value.device)]
+
+
+def to_device(host: torch.Tensor, device: torch.device | str,
+              dtype: torch.dtype | None = None) -> torch.Tensor:  # fmt: skip
+    """A tensor the builder computed on the host this step, on `device` (in `dtype`).
+
+    On a CUDA device the copy is asynchronous, from page-locked memory, so the step's host work
+    goes on while it runs; anywhere else it is the plain `.to(device, dtype)` it always was.
+    Correct by construction:
+    - the pinned buffer is new for each call and filled before the copy is queued; nothing
+      writes to it afterwards (the caller keeps only the device tensor);
+    - when it is freed, torch's caching host allocator hands its memory out again only after
+      the copy has completed (a non-blocking copy from pinned memory records an event on the
+      stream that runs it);
+    - the copy runs on the current stream, where the attention kernels that read the result
+      run after it, the order vLLM's own non-blocking input copies rely on.
+    """
+    device = torch.device(device)
+    if device.type != "cuda" or host.device.type != "cpu" or not pinned_copies():
+        return host.to(device, dtype)
+    pinned = torch.empty(host.shape, dtype=dtype or host.dtype, pin_memory=True)
+    pinned.copy_(host)
+    return pinned.to(device, non_blocking=True)
+
+
+@functools.cache
+def pinned_copies() -> bool:
+    """Whether host memory can be page-locked here: CUDA is there, and vLLM (where installed)
+    does not rule it out (it does under WSL, for one)."""
+    if not torch.cuda.is_available():
+        return False
+    try:
+        from vllm.utils.platform_utils import is_pin_memory_available
+    except ImportError:
+        return True
+    return bool(is_pin_memory_available())
