@@ -57,6 +57,7 @@ SLOWEST_FIRST = (
     "test_readme.py",  # 328
     "test_ruler.py",  # 303, with the RULER samples the later ruler files reuse
     "test_vllm_scaleout.py",  # 298
+    "test_vllm_qwen3_mistral.py",  # 240 (alone; more beside other work)
     "test_vllm_prefix_cache.py",  # 243
     "test_vllm_speed.py",  # 237
     "test_server.py",  # 146

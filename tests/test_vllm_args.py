@@ -166,6 +166,10 @@ def test_engine_args_turn_a_speed_spec_into_overrides(tmp_path):
         "speed:lcut=18,anchors=none,deep=1", write_config(tmp_path, model_type="qwen2")
     )
     assert qwen["hf_overrides"]["architectures"] == ["SpeedQwen2ForCausalLM"]
+    for family, name in (("qwen3", "SpeedQwen3ForCausalLM"), ("mistral", "SpeedMistralForCausalLM")):
+        spec = "speed:lcut=18,anchors=none,deep=1"
+        made = engine_args(spec, write_config(tmp_path, model_type=family))
+        assert made["hf_overrides"]["architectures"] == [name]
 
 
 @pytest.mark.parametrize(
@@ -175,7 +179,6 @@ def test_engine_args_turn_a_speed_spec_into_overrides(tmp_path):
         ("speed:lcut=31", "llama", "between 0 and 30"),
         ("speed:lcut=22,deep=header", "llama", "token count"),
         ("speed:lcut=22,selfonly=true,deep=1", "llama", "selfonly"),
-        ("speed:lcut=22,deep=1", "qwen3", "llama, qwen2"),
         ("speed:lcut=22,deep=1", "gpt2", "not supported"),
         ("speed:lcut=22,anchors=bos2,deep=1", "llama", "anchors must be"),
     ],

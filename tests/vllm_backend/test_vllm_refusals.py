@@ -119,9 +119,9 @@ def test_a_fused_rope_and_kv_cache_write_is_refused(directory, monkeypatch, fusi
 
 def tiny_config(directory, family: str, **options):
     """A config.json alone: vLLM builds an engine configuration from it without weights."""
-    from transformers import MistralConfig, Qwen2Config
+    from transformers import MistralConfig, Qwen2Config, Qwen3Config
 
-    kind = {"mistral": MistralConfig, "qwen2": Qwen2Config}[family]
+    kind = {"mistral": MistralConfig, "qwen2": Qwen2Config, "qwen3": Qwen3Config}[family]
     kind(vocab_size=512, hidden_size=128, intermediate_size=256, num_hidden_layers=4,
          num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=1024,
          **options).save_pretrained(directory)  # fmt: skip
@@ -138,6 +138,8 @@ def speed_overrides(arch: str = "SpeedLlamaForCausalLM", **more):
     ("family", "options", "arch", "more"),
     [
         ("mistral", {"sliding_window": 64}, "SpeedLlamaForCausalLM", {}),
+        # a windowed Mistral (Mistral-7B-v0.1's config) under SPEED's own Mistral
+        ("mistral", {"sliding_window": 64}, "SpeedMistralForCausalLM", {}),
         # every layer sliding: vLLM's cache configuration carries the window
         ("qwen2", {"use_sliding_window": True, "sliding_window": 64, "max_window_layers": 0},
          "SpeedQwen2ForCausalLM", {}),
@@ -146,6 +148,9 @@ def speed_overrides(arch: str = "SpeedLlamaForCausalLM", **more):
          "SpeedQwen2ForCausalLM", {}),
         # switched on in hf_overrides, after the config dropped its window
         ("qwen2", {}, "SpeedQwen2ForCausalLM", {"use_sliding_window": True}),
+        # Qwen3 carries Qwen2's switch
+        ("qwen3", {"use_sliding_window": True, "sliding_window": 64, "max_window_layers": 0,
+                   "head_dim": 32}, "SpeedQwen3ForCausalLM", {}),
     ],
 )  # fmt: skip
 def test_sliding_window_models_are_refused_at_llm(tmp_path, family, options, arch, more):

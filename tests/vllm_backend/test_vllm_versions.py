@@ -122,9 +122,10 @@ def fake_registry(monkeypatch):
 
 
 REFUSING = {
-    "SpeedLlamaForCausalLM": "speedkv.vllm.refused:SpeedLlamaForCausalLM",
-    "SpeedQwen2ForCausalLM": "speedkv.vllm.refused:SpeedQwen2ForCausalLM",
-}
+    name: f"speedkv.vllm.refused:{name}"
+    for name in ("SpeedLlamaForCausalLM", "SpeedMistralForCausalLM", "SpeedQwen2ForCausalLM",
+                 "SpeedQwen3ForCausalLM")
+}  # fmt: skip
 
 
 def test_on_another_vllm_registering_patches_nothing(vllm_034, monkeypatch):
@@ -159,7 +160,7 @@ def test_with_the_override_internals_that_moved_refuse_speed(vllm_034, monkeypat
         refused.SpeedLlamaForCausalLM(vllm_config=None, prefix="")
 
 
-@pytest.mark.parametrize("name", ["SpeedLlamaForCausalLM", "SpeedQwen2ForCausalLM"])
+@pytest.mark.parametrize("name", list(REFUSING))
 def test_the_refusing_classes_refuse_when_built(vllm_034, monkeypatch, name):
     monkeypatch.setattr(plugin, "refused_because", None)
     with pytest.raises(Unsupported) as refused_:

@@ -1,4 +1,4 @@
-"""SPEED variants of vLLM's Llama and Qwen2 models.
+"""SPEED variants of vLLM's Llama, Mistral, Qwen2 and Qwen3 models.
 
 Same weights, same layers; only the backbone's layer loop differs. Every row of a step runs the
 layers below `lcut`; the full-depth rows (anchors, deep suffix, generated tokens) are gathered,
@@ -17,9 +17,12 @@ import torch
 from vllm.compilation.backends import set_model_tag
 from vllm.distributed import get_pp_group
 from vllm.model_executor.models.llama import LlamaForCausalLM
+from vllm.model_executor.models.mistral import MistralForCausalLM
 from vllm.model_executor.models.qwen2 import Qwen2ForCausalLM
+from vllm.model_executor.models.qwen3 import Qwen3ForCausalLM
 from vllm.sequence import IntermediateTensors
 
+from speedkv.errors import Unsupported
 from speedkv.vllm import support
 from speedkv.vllm.attention import rows_of_step, use_speed_backend
 from speedkv.vllm.batch import install_runner_hooks
@@ -129,4 +132,30 @@ class SpeedLlamaForCausalLM(SpeedCausalLM, LlamaForCausalLM):
 class SpeedQwen2ForCausalLM(SpeedCausalLM, Qwen2ForCausalLM):
     def __init__(self, *, vllm_config, prefix: str = ""):
         Qwen2ForCausalLM.__init__(self, vllm_config=vllm_config, prefix=prefix)
+        self._install_speed(vllm_config)
+
+
+class SpeedMistralForCausalLM(SpeedCausalLM, MistralForCausalLM):
+    """vLLM's Mistral is its Llama with Mistral's weight names and options. The upper layers
+    run with their true positions, so Llama-4 attention scaling (`llama_4_scaling`) holds."""
+
+    def __init__(self, *, vllm_config, prefix: str = "", **kwargs):
+        if getattr(vllm_config.model_config.hf_config, "ada_rms_norm_t_cond", False):
+            # its layers take a conditioning input the stock backbone passes and SPEED's
+            # layer loop (stacks.py) does not
+            raise Unsupported(
+                "SPEED does not run Mistral models with time-conditioned norms "
+                "(ada_rms_norm_t_cond in the model's config)"
+            )
+        MistralForCausalLM.__init__(self, vllm_config=vllm_config, prefix=prefix, **kwargs)
+        self._install_speed(vllm_config)
+
+
+class SpeedQwen3ForCausalLM(SpeedCausalLM, Qwen3ForCausalLM):
+    """Qwen3 normalises q and k per head before rotary inside its attention module: the
+    attention layer (whose backend and K/V write SPEED replaces) receives them normed and
+    rotated, as in Llama and Qwen2."""
+
+    def __init__(self, *, vllm_config, prefix: str = ""):
+        Qwen3ForCausalLM.__init__(self, vllm_config=vllm_config, prefix=prefix)
         self._install_speed(vllm_config)

@@ -1,10 +1,11 @@
 """The entry point vLLM calls in each of its processes (`vllm.general_plugins`).
 
-It registers the SPEED architectures under new names: stock Llama and Qwen2 stay as they are, and
-a user picks SPEED per model through `hf_overrides` (see `engine_args`); it makes vLLM check a
-SPEED engine's configuration when it is built (`support.py`), refuse requests SPEED cannot
-answer (`guards.py`), and hand prefix-cache hits from the scheduler to the workers
-(`reuse.py`). Idempotent: vLLM may call it more than once per process.
+It registers the SPEED architectures under new names (`settings.ARCHITECTURES`: Llama, Mistral,
+Qwen2, Qwen3): the stock ones stay as they are, and a user picks SPEED per model through
+`hf_overrides` (see `engine_args`); it makes vLLM check a SPEED engine's configuration when it
+is built (`support.py`), refuse requests SPEED cannot answer (`guards.py`), and hand
+prefix-cache hits from the scheduler to the workers (`reuse.py`). Idempotent: vLLM may call it
+more than once per process.
 
 On a vLLM the plugin does not support (`versions.py`) it patches nothing: the SPEED names
 resolve to classes that refuse, and the config hook refuses with one sentence naming the

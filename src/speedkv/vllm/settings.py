@@ -11,7 +11,12 @@ from types import SimpleNamespace
 from typing import Any
 
 # vLLM architecture name of each model type the plugin runs
-ARCHITECTURES = {"llama": "SpeedLlamaForCausalLM", "qwen2": "SpeedQwen2ForCausalLM"}
+ARCHITECTURES = {
+    "llama": "SpeedLlamaForCausalLM",
+    "mistral": "SpeedMistralForCausalLM",
+    "qwen2": "SpeedQwen2ForCausalLM",
+    "qwen3": "SpeedQwen3ForCausalLM",
+}
 
 
 @dataclass(frozen=True)
