@@ -48,10 +48,11 @@ def main() -> None:
     parser.add_argument("base")
     parser.add_argument("trained")
     parser.add_argument("--speed", required=True, help="the SPEED spec as the records spell it")
+    parser.add_argument("--base-speed", help="BASE's SPEED spec, where it differs from --speed")
     args = parser.parse_args()
     rows = {
         "untrained full": as_row(per_sample(args.base, "full")),
-        "untrained SPEED": as_row(per_sample(args.base, args.speed)),
+        "untrained SPEED": as_row(per_sample(args.base, args.base_speed or args.speed)),
         "trained full": as_row(per_sample(args.trained, "full")),
         "trained SPEED": as_row(per_sample(args.trained, args.speed)),
     }
