@@ -296,7 +296,7 @@ def test_mix_spec_parsing():
         ("builtin:needle=x", "must be a number"),
         ("builtin:needle=-1", "must be >= 0"),
         (
-            "builtin:needle=0,passkey=0,kv=0,vartrack=0,continue=0,instruct=0",
+            "builtin:" + ",".join(f"{task}=0" for task in DEFAULT_WEIGHTS),
             "at least one task",
         ),
     ]:

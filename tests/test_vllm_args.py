@@ -166,8 +166,9 @@ def test_engine_args_turn_a_speed_spec_into_overrides(tmp_path):
         "speed:lcut=18,anchors=none,deep=1", write_config(tmp_path, model_type="qwen2")
     )
     assert qwen["hf_overrides"]["architectures"] == ["SpeedQwen2ForCausalLM"]
-    for family, name in (("qwen3", "SpeedQwen3ForCausalLM"), ("mistral", "SpeedMistralForCausalLM")):
-        spec = "speed:lcut=18,anchors=none,deep=1"
+    spec = "speed:lcut=18,anchors=none,deep=1"
+    for family in ("qwen3", "mistral"):
+        name = {"qwen3": "SpeedQwen3ForCausalLM", "mistral": "SpeedMistralForCausalLM"}[family]
         made = engine_args(spec, write_config(tmp_path, model_type=family))
         assert made["hf_overrides"]["architectures"] == [name]
 

@@ -114,11 +114,13 @@ def full_depth_streams(
     ids = ids.reshape(1, -1).to(backbone.device)
     pos = torch.arange(ids.shape[1], device=ids.device)
     keep = rule.full_depth(pos, prompt_len, rule.deep_tokens(None))
-    mask = rule.visibility(0, pos, pos)[None, None]  # below any cutoff: full attention
+    shape = backbone.shape
+    # below any cutoff: full attention (within each layer's sliding window, if it has one)
+    masks = {w: rule.visibility(0, pos, pos, w)[None, None] for w in set(shape.windows) or {None}}
     h = backbone.embed(ids)
     streams = [h[:, keep]]
-    for layer in range(backbone.shape.num_layers):
-        h = backbone.hf_layer(layer, h, mask, pos)
+    for layer in range(shape.num_layers):
+        h = backbone.hf_layer(layer, h, masks[shape.window(layer)], pos)
         streams.append(h[:, keep])
     return streams, pos[keep]
 
@@ -135,15 +137,19 @@ def upper_layers(
     layers c..L-1 over the gathered rows, starting from the stream full attention left at
     layer `c`. The cutoffs ride as one batch: at layer l every cutoff <= l goes through it in
     a single call (L calls in all, not about L^2 / 2)."""
-    L = backbone.shape.num_layers
-    mask = rule.upper_visibility(positions, positions)[None, None]
+    shape = backbone.shape
+    L = shape.num_layers
+    masks = {
+        w: rule.upper_visibility(positions, positions, w)[None, None]
+        for w in set(shape.windows) or {None}
+    }
     out = {cut: streams[L][0] for cut in cutoffs if cut == L}
     batch, members = None, []
     for layer in range(min(cutoffs), L):
         if layer in cutoffs:
             batch = streams[layer] if batch is None else torch.cat([batch, streams[layer]])
             members.append(layer)
-        batch = backbone.hf_layer(layer, batch, mask, positions)
+        batch = backbone.hf_layer(layer, batch, masks[shape.window(layer)], positions)
     for row, cut in enumerate(members):
         out[cut] = batch[row]
     return out

@@ -2,7 +2,8 @@
 
 Lower layers (`< lcut`) see every earlier position; upper layers run only on the full-depth
 positions (anchors, the deep suffix, and everything after the prompt), gathered with their
-original position ids and visible to each other as `SpeedRule` says. This is the reference
+original position ids and visible to each other as `SpeedRule` says (a sliding-window layer
+within its window, by those positions). This is the reference
 the incremental engine is checked against, and the teacher-forcing forward SPEED-aware
 training uses: it shares no attention or cache code with the engine.
 """
@@ -48,12 +49,14 @@ def speed_hidden(
 def _layers(
     backbone: Backbone, rule: SpeedRule, layers: range, h: torch.Tensor, pos: torch.Tensor
 ) -> torch.Tensor:
-    """Run `layers` (all on one side of the cutoff, so one mask serves them) over h."""
-    if not layers:
-        return h
-    mask = rule.visibility(layers.start, pos, pos)[None, None]
+    """Run `layers` (all on one side of the cutoff) over h. Layers with the same sliding
+    window (or none) share one mask."""
+    masks: dict[int | None, torch.Tensor] = {}
     for layer in layers:
-        h = backbone.hf_layer(layer, h, mask, pos)
+        window = backbone.shape.window(layer)
+        if window not in masks:
+            masks[window] = rule.visibility(layer, pos, pos, window)[None, None]
+        h = backbone.hf_layer(layer, h, masks[window], pos)
     return h
 
 

@@ -57,15 +57,21 @@ class PromptTrace:
 
 
 def attention_weights(
-    backbone: Backbone, layer: int, h: torch.Tensor, positions: torch.Tensor, rows: torch.Tensor
+    backbone: Backbone,
+    layer: int,
+    h: torch.Tensor,
+    positions: torch.Tensor,
+    rows: torch.Tensor,
+    window: int | None = None,
 ) -> torch.Tensor:
     """Softmax attention of the stream rows `rows` over every stream position visible to them
-    (causal by position), float32 [Hq, len(rows), n]. h: [n, H], the layer's input."""
+    (causal by position, inside the layer's sliding `window` if it has one), float32
+    [Hq, len(rows), n]. h: [n, H], the layer's input."""
     x = backbone.input_norm(layer, h)
     cos, sin = backbone.rope(positions)
     k, _ = backbone.kv(layer, x, cos, sin)
     q = backbone.q(layer, x[rows], cos[rows], sin[rows])
-    return attention_probs(q, positions[rows], k, positions)
+    return attention_probs(q, positions[rows], k, positions, window=window)
 
 
 def key_categories(q_pos: torch.Tensor, k_pos: torch.Tensor, prompt_len: int) -> dict:
@@ -150,12 +156,13 @@ def trace(
             h, pos = h[:, keep], pos[keep]
         rows = (pos >= prompt_len).nonzero()[:, 0]
         states.append(h[0, rows].float())
-        probs = attention_weights(backbone, layer, h[0], pos, rows)
+        window = backbone.shape.window(layer)
+        probs = attention_weights(backbone, layer, h[0], pos, rows, window)
         groups = key_categories(pos[rows], pos, prompt_len)
         for name, where in groups.items():
             mass[name].append((probs * where).sum(-1).mean(0))
         entropy.append(prompt_entropy(probs, groups["prefill"]).mean(0))
-        h = backbone.hf_layer(layer, h, rule.visibility(layer, pos, pos)[None, None], pos)
+        h = backbone.hf_layer(layer, h, rule.visibility(layer, pos, pos, window)[None, None], pos)
     states.append(h[0, rows].float())
     stack = torch.stack(states).cpu()
     return PromptTrace(

@@ -12,6 +12,10 @@ Otherwise each sequence attends on its own through torch: on a CPU the fused ker
 matrix products over long caches, which read the cache faster; on a GPU flash attention for
 half-precision caches (the matrix products for float32), chosen over torch's own pick of
 backend by measurement (`gpu_decode_attention`).
+
+Sliding windows are applied by the callers, by absolute position: over entries in position
+order a window is a run of slots, so every kernel here takes it as a narrower view; otherwise
+it is a mask (`visible`), which only the matrix products and torch's masked kernel apply.
 """
 
 from __future__ import annotations
@@ -67,12 +71,18 @@ def _native_prefill_fits(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> b
 
 
 def batch_decode_attention(
-    q: torch.Tensor, keys: list[torch.Tensor], values: list[torch.Tensor]
+    q: torch.Tensor,
+    keys: list[torch.Tensor],
+    values: list[torch.Tensor],
+    visible: list[torch.Tensor | None] | None = None,
 ) -> torch.Tensor:
     """One query token per sequence over that sequence's cache.
 
     q: [B, Hq, 1, D]; keys[b], values[b]: [Hkv, n_b, D], any lengths, rows contiguous (views
-    into a cache buffer are fine). Returns [B, Hq, 1, D].
+    into a cache buffer are fine). Returns [B, Hq, 1, D]. `visible[b]`, where given: bool
+    [Hkv, n_b], the entries sequence b's query sees (a sliding window over a cache whose
+    entries are not in position order); such a sequence attends through masked matrix
+    products, which the native kernel does not offer.
 
     Sequences whose caches the native kernel takes run on it, one call per KV-head count;
     the others on torch's kernels. So a sequence's result does not depend on what shares its
@@ -81,10 +91,11 @@ def batch_decode_attention(
     """
     ops = engine_kernels() if q.device.type == "cpu" else None
     batch, heads, _, dim = q.shape
+    masks = visible if visible is not None else [None] * batch
     native_groups: dict[int, list[int]] = {}
     if native_decode_takes(ops, q.dtype, dim):
         for b, (k, v) in enumerate(zip(keys, values)):
-            if _native_fits(q, k, v):
+            if masks[b] is None and _native_fits(q, k, v):
                 native_groups.setdefault(k.shape[0], []).append(b)
     if len(native_groups) == 1 and len(next(iter(native_groups.values()))) == batch:
         flat = q.reshape(batch, heads, dim).contiguous()
@@ -98,7 +109,9 @@ def batch_decode_attention(
         out[members] = found.view(len(members), heads, 1, dim)
         on_native.update(members)
     for b in range(batch):
-        if b not in on_native:
+        if masks[b] is not None:
+            out[b] = matmul_decode_attention(q[b], keys[b], values[b], visible=masks[b])
+        elif b not in on_native:
             out[b] = decode_attention(q[b], keys[b], values[b])
     return out
 
@@ -199,6 +212,7 @@ def matmul_decode_attention(
     v: torch.Tensor,
     per_head: bool | None = None,
     live: torch.Tensor | None = None,
+    visible: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """`decode_attention` as matrix products, one for the scores and one for the output, the
     softmax in float32 between them (HF's eager rounding: scores and weights in the cache's
@@ -213,6 +227,9 @@ def matmul_decode_attention(
     weight exactly 0 (so they must hold finite values). A recorded decode step
     (`graph_decode`) passes a layer's whole buffer this way, so that its shapes and addresses
     stay the same from step to step.
+
+    `visible` (bool [Hkv, n], on the device): only the entries it marks count, the same way
+    (a sliding window applied by position, to any cache layout).
     """
     packed = _packed(q, k.shape[0])
     kv_heads, group, dim = packed.shape
@@ -226,6 +243,8 @@ def matmul_decode_attention(
     scores = scores.float().mul_(dim**-0.5)
     if live is not None:
         scores.masked_fill_(torch.arange(k.shape[1], device=k.device) >= live, float("-inf"))
+    if visible is not None:
+        scores.masked_fill_(~visible[:, None, :], float("-inf"))
     weights = torch.softmax(scores, dim=-1).to(v.dtype)
     if not per_head:
         return torch.bmm(weights, v).reshape(q.shape)

@@ -9,6 +9,11 @@ holds only anchors and decode-phase tokens, and the byte count says exactly that
 `nbytes` counts the keys and values of live entries; `allocated_bytes` counts the buffers that
 exist (live entries plus the room reserved for tokens still to be generated). Positions are
 bookkeeping (4 bytes per entry and head) and are counted by neither.
+
+A layer with a sliding window keeps every entry it computed, those that fell out of the window
+included: attention skips them by position (`window_start`, or a mask by position), so the
+byte counts are of what the cache really holds, and a cached prefix stays whole for prompts
+that extend it.
 """
 
 from __future__ import annotations
@@ -25,6 +30,9 @@ class LayerKV:
         self.pos = torch.empty((heads, capacity), dtype=torch.int32, device=device)
         self.length = 0
         self.reads = 0  # entries read by decode-phase queries, summed over steps
+        # whether the live entries are in increasing position order, the same in every head
+        # (None: not checked since entries were last written out of decode order)
+        self._ordered: bool | None = True
 
     @property
     def capacity(self) -> int:
@@ -49,6 +57,7 @@ class LayerKV:
         self.v[:, self.length : end] = v
         self.pos[:, self.length : end] = positions.to(torch.int32)
         self.length = end
+        self._ordered = None
 
     def write_next(self, k: torch.Tensor, v: torch.Tensor, position: int) -> None:
         """Put one token's k, v ([heads, 1, dim]) in the next free slot without committing it.
@@ -69,7 +78,27 @@ class LayerKV:
             self._grow()
 
     def commit(self) -> None:
+        # a decode token comes after every cached position, so the order is kept
         self.length += 1
+
+    def in_order(self) -> bool:
+        """Whether the live entries are in increasing position order, with the same positions
+        in every head (so a window of positions is a run of slots). True for full attention
+        and SPEED; not after eviction or per-head retention."""
+        if self._ordered is None:
+            p = self.positions()
+            self._ordered = bool(((p[:, 1:] > p[:, :-1]).all() & (p == p[:1]).all()).item())
+        return self._ordered
+
+    def window_start(self, first: int) -> int | None:
+        """The slot of the first live entry at position >= `first`, every later one being at
+        such a position too; None where the entries are not in position order."""
+        if not self.in_order():
+            return None
+        if self.length == 0:
+            return 0
+        bound = torch.tensor([first], dtype=self.pos.dtype, device=self.pos.device)
+        return int(torch.searchsorted(self.pos[0, : self.length], bound))
 
     def keep(self, index: torch.Tensor) -> None:
         """Keep only the live entries at `index` ([m] or [heads, m]) and shrink the buffers
@@ -105,6 +134,7 @@ class LayerKV:
         self.v[heads, slots] = self.v[:, last].clone()
         self.pos[heads, slots] = self.pos[:, last].clone()
         self.length = last
+        self._ordered = None
 
     def prefix(self, end: int, room: int) -> LayerKV:
         """A new layer holding a copy of the entries at positions < `end`, with room for
@@ -127,7 +157,7 @@ class LayerKV:
         grows). Not for methods that evict or rewrite entries during decode."""
         view = LayerKV.__new__(LayerKV)
         view.k, view.v, view.pos = self.k, self.v, self.pos
-        view.length, view.reads = self.length, 0
+        view.length, view.reads, view._ordered = self.length, 0, self._ordered
         return view
 
     def nbytes(self) -> int:

@@ -18,7 +18,7 @@ from typing import Any, overload
 import torch
 
 from speedkv.core.attention import batch_decode_attention, native_decode_takes
-from speedkv.core.cache import KVCache
+from speedkv.core.cache import KVCache, LayerKV
 from speedkv.core.flops import decode_flops, prefill_flops
 from speedkv.core.graph_decode import GraphDecode, why_not
 from speedkv.core.policy import Policy, PromptInfo, decode_plan, own_cache_only
@@ -307,7 +307,7 @@ class Engine:
         cos, sin = bb.rope(torch.tensor(positions, device=self.device), bound=max(positions) + 1)
         cos, sin = cos[:, None, None, :], sin[:, None, None, :]
         plans = [decode_plan(p, self.depth) for p in policies]
-        if self._layers_in_one_call(caches, policies, h):
+        if self._layers_in_one_call(caches, policies, h, positions):
             for layer in range(self.depth):
                 h = self._layer_in_one_call(layer, h, cos, sin, caches, plans, positions)
         else:
@@ -338,7 +338,11 @@ class Engine:
             return None
 
     def _layers_in_one_call(
-        self, caches: list[KVCache], policies: list[Policy], h: torch.Tensor
+        self,
+        caches: list[KVCache],
+        policies: list[Policy],
+        h: torch.Tensor,
+        positions: list[int],
     ) -> bool:
         """Whether this step runs each layer as one native call (Backbone.decode_layer): the
         backbone's native pieces take every layer for this batch, the native decode attention
@@ -350,7 +354,31 @@ class Engine:
             and native_decode_takes(self.backbone.native_ops, h.dtype, self.shape.head_dim)
             and all(own_cache_only(p, self.depth) is None for p in policies)
             and all(kv.k.shape[0] == heads for cache in caches for kv in cache.layers)
+            and self._windows_are_runs(caches, positions)
         )
+
+    def _windows_are_runs(self, caches: list[KVCache], positions: list[int]) -> bool:
+        """Whether every sliding window this step applies is a run of slots (the entries are
+        in position order), which the one native call reads as a narrower buffer."""
+        return all(
+            cache.layers[layer].in_order()
+            for layer in range(self.depth)
+            if (window := self.shape.window(layer)) is not None
+            for cache, position in zip(caches, positions)
+            if position >= window
+        )
+
+    def _window(self, kv: LayerKV, layer: int, position: int) -> tuple[int, int | None]:
+        """For a decode query at `position` in `layer`: the first slot it reads, and the
+        first position it sees where its sliding window leaves out earlier entries (None
+        where it sees every entry: no window, or one that reaches position 0). Entries that
+        fell out of the window stay in the cache; attention skips them."""
+        window = self.shape.window(layer)
+        if window is None or position < window:
+            return 0, None
+        first = position - window + 1
+        start = kv.window_start(first)
+        return (0, first) if start is None else (start, None)
 
     def _layer_in_one_call(
         self,
@@ -365,15 +393,18 @@ class Engine:
         layers = [cache.layers[layer] for cache in caches]
         for kv in layers:
             kv.make_room()
+        # a sliding window is a run of slots here (`_windows_are_runs`): the call gets the
+        # buffers from its first slot on, and writes the token at the same slot as before
+        starts = [self._window(kv, layer, p)[0] for kv, p in zip(layers, positions)]
         buffers = (
-            [kv.k for kv in layers],
-            [kv.v for kv in layers],
-            [kv.pos for kv in layers],
-            [kv.length for kv in layers],
+            [kv.k[:, s:] for kv, s in zip(layers, starts)],
+            [kv.v[:, s:] for kv, s in zip(layers, starts)],
+            [kv.pos[:, s:] for kv, s in zip(layers, starts)],
+            [kv.length - s for kv, s in zip(layers, starts)],
         )
         h = self.backbone.decode_layer(layer, h, cos, sin, buffers, positions)
-        for kv, plan in zip(layers, plans):
-            kv.reads += kv.length + 1
+        for kv, plan, start in zip(layers, plans, starts):
+            kv.reads += kv.length + 1 - start
             if plan[layer][2]:
                 kv.commit()
         return h
@@ -397,10 +428,11 @@ class Engine:
                 saved[layer] = h
             q, k, v = bb.before_attention(layer, h, cos, sin)  # [B, heads, 1, D]
             layers = [cache.layers[layer] for cache in caches]
-            keys, values = [], []
+            keys, values, visible = [], [], []
             for b, (plan, kv) in enumerate(zip(plans, layers)):
                 owner, kv_input, _ = plan[layer]
                 live = kv.length
+                start, first = self._window(kv, layer, positions[b])
                 if owner == layer:
                     kb, vb = k[b], v[b]
                     if kv_input is not None:  # K/V from an earlier layer's residual (SwiftKV)
@@ -408,10 +440,12 @@ class Engine:
                         kb, vb = bb.kv(layer, x, cos[b], sin[b])
                     kv.write_next(kb, vb, positions[b])
                     live += 1
-                kv.reads += live
-                keys.append(kv.k[:, :live])
-                values.append(kv.v[:, :live])
-            o = batch_decode_attention(q, keys, values)
+                kv.reads += live - start
+                keys.append(kv.k[:, start:live])
+                values.append(kv.v[:, start:live])
+                # entries out of position order: the window is a mask by position
+                visible.append(None if first is None else kv.pos[:, :live] >= first)
+            o = batch_decode_attention(q, keys, values, visible)
             for b, (plan, kv) in enumerate(zip(plans, layers)):
                 owner, _, keep = plan[layer]
                 if owner == layer and keep:
@@ -482,7 +516,7 @@ class Engine:
         encoded = encode_prompt(self.tokenizer, prompt, chat=chat)
         return Request(
             encoded.ids,
-            self._policy(method),
+            self.policy(method),
             sampling or SamplingParams(),
             encoded.header_tokens,
             encoded.turn_tokens,
@@ -495,7 +529,7 @@ class Engine:
         `generate(cache, question)`. Text goes through the chat template as a user message of
         its own (the question becomes the next one) unless chat=False; token ids are taken as
         they are. Only methods whose cache does not depend on the question can be reused."""
-        policy = self._policy(method)
+        policy = self.policy(method)
         check_reusable(policy)
         messages = None
         if isinstance(prompt, str):
@@ -535,7 +569,12 @@ class Engine:
             encoded.ids, policy, sampling, encoded.header_tokens, encoded.turn_tokens, prefix
         )
 
-    def _policy(self, method: str | MethodSpec | Policy) -> Policy:
+    def policy(self, method: str | MethodSpec | Policy) -> Policy:
+        """The policy that runs `method` on this engine's model, for a `Request` built from
+        token ids: a spec string (`"speed:lcut=22,anchors=bos"`) or a parsed `MethodSpec` is
+        bound to the model's shape (the defaults its layer count implies, such as SPEED's
+        lcut); a `Policy` is returned as it is. One policy may serve many requests: the engine
+        runs each sequence on a `fresh()` copy of it."""
         return method if isinstance(method, Policy) else make_policy(method, self.shape)
 
     def _need_tokenizer(self) -> None:

@@ -16,7 +16,11 @@ in three ways:
   attention's variable-length form on a GPU in half precision where it gives the same output
   on the batch's own cache; the buffer is widened to a multiple of WIDTH and its free slots
   are zeroed first, so the masked ones are finite;
-- the token, the position and the live lengths are device tensors, advanced in place.
+- the token, the position and the live lengths are device tensors, advanced in place;
+- a layer with a sliding window masks, by position against the device position, the entries
+  that fell out of it (always: the mask costs one comparison, and the window starts to bite
+  mid-recording without the host knowing). Flash attention's window counts slots, not
+  positions, so a sliding-window model's recorded steps attend by the matrix products.
 
 The same step runs eagerly on any device (the tests hold it to `Engine.decode_step` on the
 CPU, and on CUDA with `--device cuda`) and is recorded and replayed on CUDA. It takes methods
@@ -96,7 +100,9 @@ class GraphDecode:
         widths = {kv.capacity for cache in caches for kv in cache.layers} if flash else ()
         self.starts = {w: torch.tensor([0, w], dtype=torch.int32, device=device) for w in widths}
         self.query_start = torch.tensor([0, 1], dtype=torch.int32, device=device)
-        self.attention = "flash" if flash and self._flash_agrees() else "matmul"
+        # flash's window is by slot, and an upper SPEED layer's slots skip positions
+        windowed = engine.backbone.shape.windowed
+        self.attention = "flash" if flash and not windowed and self._flash_agrees() else "matmul"
         self.graph: torch.cuda.CUDAGraph | None = None
         self.logits: torch.Tensor | None = None
         if record if record is not None else device.type == "cuda":
@@ -140,6 +146,7 @@ class GraphDecode:
         cos, sin = cos[:, None, None, :], sin[:, None, None, :]
         for layer in range(self.engine.depth):
             q, k, v = bb.before_attention(layer, h, cos, sin)  # [B, heads, 1, D]
+            window = bb.shape.window(layer)
             outs = []
             for b, cache in enumerate(self.caches):
                 kv = cache.layers[layer]
@@ -152,19 +159,26 @@ class GraphDecode:
                 kv.v.index_copy_(1, slot, vb)
                 position = self.positions[b].to(torch.int32).reshape(1, 1)
                 kv.pos.index_copy_(1, slot, position.expand(kv.pos.shape[0], 1))
-                outs.append(self._attend(q[b], kv.k, kv.v, slot + 1))
+                # free slots hold stale positions; `live` masks them either way
+                visible = None if window is None else kv.pos >= position - (window - 1)
+                outs.append(self._attend(q[b], kv.k, kv.v, slot + 1, visible))
             h = bb.after_attention(layer, h, torch.stack(outs))
         self.live += 1
         self.positions += 1
         return bb.logits(bb.final_norm(h[:, -1]))
 
     def _attend(
-        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, live: torch.Tensor
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        live: torch.Tensor,
+        visible: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        if self.attention == "flash":
+        if self.attention == "flash":  # never with a window (see __init__)
             starts = (self.query_start, self.starts[k.shape[1]])
             return live_flash_decode_attention(q, k, v, live.to(torch.int32), starts)
-        return matmul_decode_attention(q, k, v, live=live)
+        return matmul_decode_attention(q, k, v, live=live, visible=visible)
 
     def _flash_agrees(self) -> bool:
         """Whether flash attention with a device length may run this batch's attention: a

@@ -9,7 +9,8 @@ Within a layer the computed rows go through in chunks of `chunk_size` queries, e
 K/V written straight into the layer's cache buffer before it attends, so activation memory
 does not grow with the prompt and attention never materialises an N x N matrix. After the
 layer, the policy may look at its queries and keys (`observe`) and choose what the cache
-keeps (`kept`).
+keeps (`kept`). A layer with a sliding window attends only inside it, by absolute position,
+in every layer and under every method (`ModelShape.window`).
 """
 
 from __future__ import annotations
@@ -21,7 +22,7 @@ import torch
 from speedkv.core.attention import prefill_attention
 from speedkv.core.cache import KVCache, LayerKV
 from speedkv.core.policy import Policy, PromptInfo, Stream
-from speedkv.hf.backbone import Backbone
+from speedkv.hf.backbone import Backbone, in_window
 
 
 @dataclass
@@ -177,19 +178,36 @@ class PrefillRun:
         block by block and never materialises the score matrix, and one call is markedly
         faster on CPU than chunked calls with an offset causal mask. Otherwise queries go in
         chunks with an explicit mask by position.
+
+        A layer with a sliding window whose rows span more than the window also goes in
+        masked chunks (neither the native kernel nor the one causal call applies a window);
+        where the entries are in position order each chunk reads only the slots from its
+        first query's window to its last query, so attention costs rows x window, not
+        rows x rows.
         """
         rows = q.shape[1]
-        has_rule = self.policy.visible(layer, pos[:1], kv.positions()[0]) is not None
-        if aligned and not has_rule:
+        k_pos = kv.positions()[0]
+        has_rule = self.policy.visible(layer, pos[:1], k_pos) is not None
+        window = self.shape.window(layer)
+        # positions increase along the stream; the first key is the earliest unless the
+        # entries are out of order, so take the least (one read per layer)
+        bites = window is not None and int(pos[-1]) - int(k_pos.min()) >= window
+        if aligned and not has_rule and not bites:
             return prefill_attention(q, kv.keys(), kv.values()), rows * (rows + 1) // 2
         out, attended = torch.empty_like(q), torch.zeros((), dtype=torch.long, device=q.device)
-        k_pos = kv.positions()[0]
         for start, end in self._chunks(rows):
-            mask = k_pos[None, :] <= pos[start:end, None]
-            visible = self.policy.visible(layer, pos[start:end], k_pos)
+            lo, hi = 0, kv.length
+            if bites and kv.in_order():  # only the slots some query of the chunk can see
+                lo = kv.window_start(int(pos[start]) - window + 1)
+                hi = kv.window_start(int(pos[end - 1]) + 1)
+            keys, values, chunk_pos = kv.k[:, lo:hi], kv.v[:, lo:hi], k_pos[lo:hi]
+            mask = chunk_pos[None, :] <= pos[start:end, None]
+            if bites:
+                mask &= in_window(window, pos[start:end], chunk_pos)
+            visible = self.policy.visible(layer, pos[start:end], chunk_pos)
             if visible is not None:
                 mask &= visible
-            out[:, start:end] = prefill_attention(q[:, start:end], kv.keys(), kv.values(), mask)
+            out[:, start:end] = prefill_attention(q[:, start:end], keys, values, mask)
             attended += mask.sum()
         return out, attended
 

@@ -4,7 +4,8 @@ The engine owns the decoder loop; this module hands it the pieces of a HuggingFa
 (embedding, per-layer norms and projections, MLP, final norm, LM head, rotary tables) under
 names that do not depend on the model family. Supported: Llama, Mistral, Qwen2, Qwen3 -- the
 pre-norm, rotary, grouped-query decoders whose layers are `input_layernorm -> self_attn ->
-residual -> post_attention_layernorm -> mlp -> residual`.
+residual -> post_attention_layernorm -> mlp -> residual` -- with or without sliding-window
+attention (`ModelShape.windows`, read as transformers reads it: `sliding_windows`).
 
 When a transformers release renames something, this is the file to change.
 """
@@ -73,6 +74,20 @@ class ModelShape:
     # whether this model's prompts begin with its BoS token (SPEED's `anchors=bos` needs one);
     # a model without a tokenizer takes the caller's ids, whose position 0 is taken on trust
     starts_with_bos: bool = True
+    # each layer's sliding window (None: the layer attends to every earlier position), or ()
+    # when no layer has one; a window is per layer so that models mixing local and global
+    # layers (Qwen2's max_window_layers, or interleaved layer types) fit the same field
+    windows: tuple[int | None, ...] = ()
+
+    def window(self, layer: int) -> int | None:
+        """Layer `layer`'s sliding window: a query at position t sees keys at positions
+        t - window + 1 .. t (`in_window`); None for a layer without one."""
+        return self.windows[layer] if self.windows else None
+
+    @property
+    def windowed(self) -> bool:
+        """Whether any layer has a sliding window."""
+        return any(w is not None for w in self.windows)
 
     def kv_bytes_per_token_layer(self, dtype: torch.dtype) -> int:
         """Bytes of one token's key and value in one layer."""
@@ -87,10 +102,45 @@ def check_supported(model_type: str) -> None:
         )
 
 
+def sliding_windows(config) -> tuple[int | None, ...]:
+    """Each layer's sliding window as transformers (5.x) applies it, or () when none has one.
+
+    Mistral windows every layer when `sliding_window` is set (its modeling ignores
+    `layer_types`). Qwen2 and Qwen3 window only when `use_sliding_window` is true, and then
+    the layers `layer_types` names `sliding_attention`, which their configs derive as the
+    layers from `max_window_layers` on. `config` may be a transformers config or a raw
+    config.json read into a namespace (the vLLM backend's), so the derivation is repeated
+    here rather than read from attributes only a transformers config has."""
+    layers = config.num_hidden_layers
+    window = getattr(config, "sliding_window", None)
+    if config.model_type in ("qwen2", "qwen3") and not getattr(config, "use_sliding_window", False):
+        window = None  # Qwen2.5 checkpoints carry a window they do not use
+    if config.model_type == "llama" or window is None:
+        return ()
+    if int(window) < 1:
+        raise UserError(f"the model's sliding_window must be a positive token count, got {window}")
+    if config.model_type == "mistral":
+        return (int(window),) * layers
+    types = getattr(config, "layer_types", None)
+    if types is None:
+        first = getattr(config, "max_window_layers", 28)  # transformers' default
+        types = ["sliding_attention" if i >= first else "full_attention" for i in range(layers)]
+    windows = tuple(int(window) if kind == "sliding_attention" else None for kind in types)
+    return windows if any(w is not None for w in windows) else ()
+
+
+def in_window(window: int | None, q_pos: torch.Tensor, k_pos: torch.Tensor) -> torch.Tensor:
+    """Bool [n_q, n_k]: which keys lie inside a query's sliding window, by absolute position.
+    transformers' rule (masking_utils.sliding_window_overlay): key position > query position
+    - window, so a query sees itself and the window - 1 positions before it. All True for a
+    layer without a window."""
+    if window is None:
+        return torch.ones((q_pos.shape[0], k_pos.shape[0]), dtype=torch.bool, device=q_pos.device)
+    return k_pos[None, :] > q_pos[:, None] - window
+
+
 def shape_of(config) -> ModelShape:
     check_supported(config.model_type)
-    if getattr(config, "use_sliding_window", False):
-        raise UserError("models configured with sliding-window attention are not supported")
     head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
     return ModelShape(
         model_type=config.model_type,
@@ -102,6 +152,7 @@ def shape_of(config) -> ModelShape:
         intermediate_size=config.intermediate_size,
         vocab_size=config.vocab_size,
         max_positions=config.max_position_embeddings,
+        windows=sliding_windows(config),
     )
 
 
@@ -477,8 +528,10 @@ class Backbone:
     ) -> torch.Tensor:
         """transformers' own forward of one decoder layer over h [B, n, H].
 
-        mask: bool [B or 1, 1, n, n], True where a query may see a key. Used by the dense
-        SPEED reference and by SPEED-aware training, so they do not share our attention code.
+        mask: bool [B or 1, 1, n, n], True where a query may see a key: the whole rule,
+        the layer's sliding window included (transformers' own attention leaves the window to
+        the mask it is given). Used by the dense SPEED reference and by SPEED-aware training,
+        so they do not share our attention code.
         """
         additive = torch.zeros(mask.shape, dtype=h.dtype, device=h.device)
         additive.masked_fill_(~mask, torch.finfo(h.dtype).min)

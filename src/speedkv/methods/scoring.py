@@ -12,6 +12,7 @@ import torch
 import torch.nn.functional as F
 
 from speedkv.errors import UserError
+from speedkv.hf.backbone import in_window
 
 
 def budget(value: float, n: int, what: str = "budget") -> int:
@@ -41,15 +42,17 @@ def attention_probs(
     k: torch.Tensor,
     k_pos: torch.Tensor | None,
     chunk: int = 256,
+    window: int | None = None,
 ) -> torch.Tensor:
     """softmax(q k^T / sqrt(d)) of every query over the keys, float32.
 
     q: [Hq, w, D] post-rotary queries; k: [Hkv, n, D] (grouped heads expanded). With absolute
-    positions q_pos [w] and k_pos [n], keys after a query are masked out; with None for both,
-    every key is visible (a query that comes after all of them). Returns [Hq, w, n]. Queries
-    go through in chunks to bound memory.
+    positions q_pos [w] and k_pos [n], keys after a query are masked out, and with a sliding
+    `window` so are keys before it; with None for both, every key is visible (a query that
+    comes after all of them). Returns [Hq, w, n]. Queries go through in chunks to bound
+    memory.
     """
-    return torch.cat(list(_probs_by_chunk(q, q_pos, k, k_pos, chunk)), 1)
+    return torch.cat(list(_probs_by_chunk(q, q_pos, k, k_pos, chunk, window)), 1)
 
 
 def attention_received(
@@ -67,7 +70,7 @@ def attention_received(
     return total
 
 
-def _probs_by_chunk(q, q_pos, k, k_pos, chunk: int):
+def _probs_by_chunk(q, q_pos, k, k_pos, chunk: int, window: int | None = None):
     group = q.shape[0] // k.shape[0]
     keys = k.float().repeat_interleave(group, 0) if group > 1 else k.float()
     scale = 1.0 / math.sqrt(q.shape[-1])
@@ -76,6 +79,8 @@ def _probs_by_chunk(q, q_pos, k, k_pos, chunk: int):
         scores = torch.matmul(qc, keys.transpose(1, 2)) * scale
         if q_pos is not None:
             future = k_pos[None, :] > q_pos[start : start + chunk, None]
+            if window is not None:
+                future |= ~in_window(window, q_pos[start : start + chunk], k_pos)
             scores = scores.masked_fill(future, float("-inf"))
         yield torch.softmax(scores, -1)
 

@@ -14,7 +14,10 @@ every layer. Three kinds of prompt position:
 - shallow tokens: every other prompt position, never computed in layers `>= lcut`.
 
 In upper layers a query therefore sees earlier anchors and earlier deep/generated tokens only,
-because that is all those layers ever hold.
+because that is all those layers ever hold. On a model with sliding-window layers every layer
+keeps its window by absolute position, above the cut as below it: an upper windowed layer sees
+the full-depth rows inside its window, so an anchor leaves its view exactly when it would
+leave stock attention's.
 
 A SPEED cache does not depend on what follows it, so it can be reused: a prompt that extends a
 cached prefix (another question about a cached document, the next turn of a chat) prefills
@@ -42,6 +45,7 @@ from speedkv.core.policy import LayerView, Policy, PromptInfo, Stream
 from speedkv.core.prefix import CachedPrefix
 from speedkv.core.registry import register
 from speedkv.errors import UserError
+from speedkv.hf.backbone import in_window
 
 DEEP_RULE = "deep must be a token count >= 1, 'header' or 'turn'"
 # The default deep suffix: the last 64 prompt tokens run every layer. A prompt of up to 64
@@ -59,6 +63,14 @@ class SpeedRule:
     Layers `< lcut` run every position; layers `>= lcut` run only the full-depth positions
     (anchors, the deep suffix, every generated token), causal among themselves. lcut = the
     model's layer count is full attention.
+
+    A layer with a sliding window (`ModelShape.window`) applies it by absolute position on
+    top of that, whichever side of the cut it is on: a query at position t sees only keys
+    at positions > t - window (`in_window`, transformers' rule). Below the cut this is the
+    stock model's attention; above it, the full-depth rows inside the window, so anchors
+    drop out of a windowed upper layer's view exactly as they drop out of stock attention's.
+    Positions are never renumbered, so the window never stretches over the shallow rows an
+    upper layer does not hold.
     """
 
     lcut: int  # layers every position runs
@@ -105,20 +117,27 @@ class SpeedRule:
         later (generated) position."""
         return (positions < self.anchors) | (positions >= prompt_len - deep)
 
-    def visibility(self, layer: int, q_pos: torch.Tensor, k_pos: torch.Tensor) -> torch.Tensor:
+    def visibility(
+        self, layer: int, q_pos: torch.Tensor, k_pos: torch.Tensor, window: int | None = None
+    ) -> torch.Tensor:
         """Bool [n_q, n_k]: the keys a query may see in `layer`, among the rows that layer
-        holds: every earlier position; in upper layers under SelfOnly a deep token sees only
-        itself and the anchors (an anchor sees what it would anyway)."""
+        holds: every earlier position inside the layer's sliding `window`
+        (`ModelShape.window(layer)`; None: no window); in upper layers under SelfOnly a deep
+        token sees only itself and the anchors (an anchor sees what it would anyway)."""
         causal = k_pos[None, :] <= q_pos[:, None]
+        if window is not None:
+            causal &= in_window(window, q_pos, k_pos)
         if layer < self.lcut or not self.selfonly:
             return causal
         q_anchor = q_pos[:, None] < self.anchors
         own = k_pos[None, :] == q_pos[:, None]
         return causal & (q_anchor | own | (k_pos[None, :] < self.anchors))
 
-    def upper_visibility(self, q_pos: torch.Tensor, k_pos: torch.Tensor) -> torch.Tensor:
-        """`visibility` in the layers `>= lcut`."""
-        return self.visibility(self.lcut, q_pos, k_pos)
+    def upper_visibility(
+        self, q_pos: torch.Tensor, k_pos: torch.Tensor, window: int | None = None
+    ) -> torch.Tensor:
+        """`visibility` in the layers `>= lcut` (of one with this `window`)."""
+        return self.visibility(self.lcut, q_pos, k_pos, window)
 
 
 @register
@@ -164,8 +183,8 @@ class Speed(Policy):
 
     def visible(self, layer: int, q_pos: torch.Tensor, k_pos: torch.Tensor) -> torch.Tensor | None:
         if not self.config.selfonly or layer < self.lcut:
-            return None  # plain causal attention over what the layer holds
-        return self.rule.upper_visibility(q_pos, k_pos)
+            return None  # plain causal attention (in the layer's window) over what it holds
+        return self.rule.upper_visibility(q_pos, k_pos, self.shape.window(layer))
 
     def kept(self, layer: int, view: LayerView) -> torch.Tensor | None:
         if not self.config.selfonly or layer < self.lcut:
