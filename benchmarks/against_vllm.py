@@ -184,7 +184,7 @@ def main() -> None:
         for n, ids in prompts.items()
     }
     sampling = SamplingParams(max_new_tokens=args.new_tokens, ignore_eos=True)
-    policies = {m: engine._policy(m) for m in ("full", SPEED)}
+    policies = {m: engine.policy(m) for m in ("full", SPEED)}
     for policy in policies.values():  # warm-up on a short prompt
         engine.generate([Request(prompts[min(lengths)][:256], policy, sampling)])
     served = ServedVllm(args.vllm_python, model.source, list(jobs.values()), args)

@@ -74,7 +74,7 @@ def inside_attention(event) -> bool:
 
 def decode_steps(engine: Engine, ids: list[int], method: str, steps: int):
     """A prefilled sequence and a function running its next decode step."""
-    policy = engine._policy(method).fresh()
+    policy = engine.policy(method).fresh()
     done = engine.prefill_ids(ids, policy, spare=2 * steps + 8)
     state = {"token": int(done.logits.argmax()), "pos": done.next_position}
 

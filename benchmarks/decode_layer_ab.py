@@ -56,7 +56,7 @@ def main() -> None:
     for length in (int(n) for n in args.lengths.split(",")):
         ids = exact_chat_prompt(model.tokenizer, length)
         for method in args.methods.split(";"):
-            request = Request(ids, engine._policy(method), sampling)
+            request = Request(ids, engine.policy(method), sampling)
             engine.generate([request])  # warm-up
             tpot: dict[str, list[float]] = {"one call": [], "in parts": []}
             tokens = {}

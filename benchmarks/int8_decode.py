@@ -45,7 +45,7 @@ def main() -> None:
                 order = ["native", "int8"] if repeat % 2 == 0 else ["int8", "native"]
                 for weights in order:
                     engine = engines[weights]
-                    request = Request(ids, engine._policy(method), sampling)
+                    request = Request(ids, engine.policy(method), sampling)
                     g = engine.generate([request])[0]
                     if repeat:
                         times.setdefault((method, n, weights), []).append((g.ttft_s, g.tpot_s))

@@ -50,7 +50,7 @@ def measure(lengths: list[int]) -> dict:
     sampling = SamplingParams(max_new_tokens=32, ignore_eos=True)
     figures = {}
     for name, spec in METHODS.items():
-        policy = engine._policy(spec)
+        policy = engine.policy(spec)
         engine.generate([Request(exact_chat_prompt(model.tokenizer, 256), policy, sampling)])
         for n in lengths:
             prompt = exact_chat_prompt(model.tokenizer, n)

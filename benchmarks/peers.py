@@ -59,7 +59,7 @@ def speedkv_batch1(engine: Engine, prompts: dict[int, list[int]], args) -> list[
     for mode in ("prepacked", "plain"):
         model.backbone.prepack_decode(mode == "prepacked")
         for method in ("full", SPEED):
-            policy = engine._policy(method)
+            policy = engine.policy(method)
             # warm-up on a short prompt
             engine.generate([Request(prompts[min(prompts)][:256], policy, sampling)])
             for n, ids in prompts.items():
@@ -97,7 +97,7 @@ def speedkv_batches(engine: Engine, batches: dict[int, list[list[int]]], args) -
     """Batch throughput of speedkv `full` on prepacked weights (the CLI's default)."""
     rows = []
     engine.model.backbone.prepack_decode(True)
-    policy = engine._policy("full")
+    policy = engine.policy("full")
     for size, prompts in batches.items():
         for repeat in range(args.repeats):
             t1 = run_batch(engine, policy, prompts, 1)

@@ -37,12 +37,12 @@ def main() -> None:
         ids = exact_chat_prompt(model.tokenizer, length)
         for name, spec in METHODS.items():
             for engine in engines.values():  # warm-up
-                engine.generate([Request(ids, engine._policy(spec), one_token)])
+                engine.generate([Request(ids, engine.policy(spec), one_token)])
             ttft: dict[int, list[float]] = {c: [] for c in chunks}
             for turn in range(args.rounds):
                 for c in chunks if turn % 2 == 0 else chunks[::-1]:
                     engine = engines[c]
-                    done = engine.generate([Request(ids, engine._policy(spec), one_token)])
+                    done = engine.generate([Request(ids, engine.policy(spec), one_token)])
                     ttft[c].append(done[0].ttft_s)
             medians = [f"{statistics.median(ttft[c]):.3f}" for c in chunks]
             ratios = [
