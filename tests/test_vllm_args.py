@@ -256,3 +256,12 @@ def test_vllm_cpu_defaults_a_small_pool_and_no_aot_compile_step(monkeypatch):
     monkeypatch.setenv("VLLM_USE_AOT_COMPILE", "1")  # the user's choice stands
     cpu_engine_defaults(1)
     assert os.environ["VLLM_USE_AOT_COMPILE"] == "1"
+
+
+@pytest.mark.skipif(importlib.util.find_spec("vllm") is not None, reason="vLLM is installed")
+def test_a_folder_named_vllm_on_the_path_is_not_a_vllm(tmp_path, monkeypatch):
+    from speedkv.vllm.versions import refusal, vllm_version
+
+    (tmp_path / "vllm").mkdir()  # as benchmarks/vllm/ is, once benchmarks/ is on sys.path
+    monkeypatch.syspath_prepend(str(tmp_path))
+    assert vllm_version() is None and refusal() is None

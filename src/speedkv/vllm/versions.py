@@ -35,10 +35,15 @@ def vllm_version() -> str | None:
             return metadata.version(name)
         except metadata.PackageNotFoundError:
             continue
-    try:
-        import vllm
-    except ImportError:
+    import importlib.util
+
+    # a folder named vllm on sys.path (benchmarks/vllm/, say) imports as a namespace package
+    # with no code: that is not a vLLM
+    spec = importlib.util.find_spec("vllm")
+    if spec is None or spec.origin in (None, "namespace"):
         return None
+    import vllm
+
     return getattr(vllm, "__version__", None) or "unknown"
 
 
