@@ -9,12 +9,26 @@ from pathlib import Path
 
 import pytest
 import torch
-from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
+from transformers import (
+    LlamaConfig,
+    LlamaForCausalLM,
+    MistralConfig,
+    MistralForCausalLM,
+    Qwen2Config,
+    Qwen2ForCausalLM,
+)
 
 from speedkv.core.engine import Engine
 from speedkv.hf.loading import LoadedModel
 
 from helpers import RULER_SAMPLES, ruler_length
+
+# family -> (config class, model class); Qwen2's q/k/v projections carry a bias
+TINY_FAMILIES = {
+    "llama": (LlamaConfig, LlamaForCausalLM),
+    "qwen2": (Qwen2Config, Qwen2ForCausalLM),
+    "mistral": (MistralConfig, MistralForCausalLM),
+}
 
 # the vLLM backend's tests need vLLM, which lives in its own venv (make vllm-venv)
 collect_ignore = [] if importlib.util.find_spec("vllm") else ["vllm_backend"]
@@ -110,11 +124,8 @@ def tiny_model(
 ) -> LoadedModel:
     """A tiny random model; `config` overrides TINY's entries."""
     torch.manual_seed(seed)
-    settings = {**TINY, **config}
-    if family == "llama":
-        hf = LlamaForCausalLM(LlamaConfig(**settings))
-    else:
-        hf = Qwen2ForCausalLM(Qwen2Config(**settings))  # q/k/v projections with bias
+    config_class, model_class = TINY_FAMILIES[family]
+    hf = model_class(config_class(**{**TINY, **config}))
     hf.eval().requires_grad_(False)
     # Random init is too flat to discriminate tokens; scale it so greedy choices are decisive.
     with torch.no_grad():

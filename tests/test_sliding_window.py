@@ -28,7 +28,7 @@ from speedkv.core.sampling import SamplingParams
 from speedkv.hf.backbone import shape_of
 from speedkv.hf.loading import LoadedModel
 
-from conftest import TINY, random_prompt
+from conftest import random_prompt, tiny_model
 from helpers import check_equals_hf_generate, greedy_with_logits, hf_generate
 
 WINDOW = 48
@@ -54,15 +54,8 @@ WINDOW_OFF = {"sliding_window": None, "use_sliding_window": False}
 def build(family: str, seed: int = 0, device: torch.device | str = "cpu", **config) -> LoadedModel:
     """A tiny random model of `family` (FAMILIES' window settings, then `config`) on `device`,
     scaled as conftest's tiny models are so that greedy choices are decisive."""
-    config_class, model_class, settings = FAMILIES[family]
-    torch.manual_seed(seed)
-    hf = model_class(config_class(**{**TINY, **settings, **config}))
-    hf.eval().requires_grad_(False)
-    with torch.no_grad():
-        for p in hf.parameters():
-            p.mul_(3.0)
-    return LoadedModel(name=f"tiny-{family}", hf_model=hf.to(device), tokenizer=None,
-                       source="memory")  # fmt: skip
+    _, _, settings = FAMILIES[family]
+    return tiny_model(family, seed, device, **{**settings, **config})
 
 
 @pytest.fixture(scope="module", params=["mistral", "qwen2"])
