@@ -11,7 +11,7 @@ STAMP  := $(VENV)/.speedkv-installed
 # where uv cannot be had
 INSTALL := $(PYTHON) tools/venv_install.py
 
-.PHONY: install demo test test-long lint clean bench bench-headline bench-qwen gpu-check gpu-wheels
+.PHONY: install demo test test-fast test-long lint clean bench bench-headline bench-qwen gpu-check gpu-wheels
 
 install: $(STAMP)
 
@@ -55,9 +55,10 @@ $(QWEN15_STAMP): $(STAMP)
 	$(VENV)/bin/speedkv models --install $(QWEN15)
 	touch $(QWEN15_STAMP)
 
-# speedkv's suite, then the vLLM backend's tests in the environment that has vLLM. Each runs
-# in two pytest-xdist workers, a test file each at a time: much of it is starting processes,
-# tiny models and vLLM's scheduling, which one core at a time leaves half the machine idle for.
+# speedkv's suite, every tier (tests/unit, integration, docs, benchmarks), then the vLLM
+# backend's tests (tests/vllm_backend) in the environment that has vLLM. Each runs in two
+# pytest-xdist workers, a test file each at a time: much of it is starting processes, tiny
+# models and vLLM's scheduling, which one core at a time leaves half the machine idle for.
 # Each worker's torch gets its share of the cores (tests/conftest.py). Files are handed out
 # slowest first, in tests/conftest.py's order (not xdist's, by number of tests). The two suites
 # at once gain nothing more: with two workers each, the cores are already busy.
@@ -66,6 +67,17 @@ XDIST := -n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder
 test: install qwen vllm-venv vllm-qwen
 	$(PY) -m pytest -q $(XDIST)
 	$(VLLM_VENV)/bin/python -m pytest -q $(XDIST) tests/vllm_backend
+
+# The unit tier alone (tests/unit: tiny random models and pure logic, no real model, server or
+# vLLM), a few minutes on 2 cores: the check to run while changing code; `make test` before a commit.
+test-fast: install
+	$(PY) -m pytest -q $(XDIST) tests/unit
+
+# One tier of the main suite each (make test-unit is make test-fast)
+.PHONY: test-unit test-integration test-docs test-benchmarks
+test-unit: test-fast
+test-integration test-docs test-benchmarks: test-%: install qwen
+	$(PY) -m pytest -q $(XDIST) tests/$*
 
 # what `make test` leaves out for time: prompts of 1700 and 3000 tokens in every vLLM batch
 # test, and the vLLM cases whose path another case of the suite already runs
@@ -314,7 +326,7 @@ ruler-served: install
 RULER_SWEEPS ?= all
 .PHONY: ruler-leaderboard
 ruler-leaderboard: install kvpress-venv
-	$(PY) benchmarks/ruler_leaderboard.py --run $(RULER_SWEEPS) --jobs 2 --render --docs docs/ruler.md
+	$(VENV)/bin/speedkv leaderboard run $(RULER_SWEEPS) --jobs 2 --render --docs docs/ruler.md
 
 # Full-parameter SPEED-aware fine-tuning, the paper's controlled study (docs/training.md): every
 # weight trained with one recipe, seed and budget at full depth, SPEED-22 with and without the
@@ -362,12 +374,24 @@ full-study-table: install
 		speed18-bos untrained lora-speed22-bos) --command "make full-study-eval full-study-table"
 
 # SPEED-aware LoRA (docs/training.md). One recipe for every run, so SPEED and full-depth LoRA
-# compare fairly; re-running a target resumes its run where it stopped.
-TRAIN_RECIPE := --model smollm2-135m --data builtin --steps 600 --seq-len 2048 --lr 5e-4 \
+# compare fairly; re-running a target resumes its run where it stopped. These adapters were
+# trained on the essays (RULER's haystack), so `--text essays` reproduces them.
+TRAIN_RECIPE := --model smollm2-135m --data builtin --text essays --steps 600 --seq-len 2048 --lr 5e-4 \
 	--lora-r 16 --lora-alpha 32 --distill 0.5 --seed 0 --save-every 50 --probe-every 100 --resume
 SPEED22_ADAPTER := adapters/smollm2-135m-speed22-bos
 
-.PHONY: adapter adapter-baseline adapter-sweep adapter-speed15 adapter-speed26
+.PHONY: adapter adapter-pydocs adapter-baseline adapter-sweep adapter-speed15 adapter-speed26
+
+# The design-time pick on text no evaluation uses (Python's documentation; 300 steps,
+# benchmarks/training-recipe/): SmolLM2-135M for speed:lcut=22,anchors=bos,deep=1.
+PYDOCS_ADAPTER := adapters/smollm2-135m-speed22-bos-pydocs
+adapter-pydocs: install
+	$(VENV)/bin/speedkv train --method "speed:lcut=22,anchors=bos,deep=1" --model smollm2-135m \
+		--text pydocs --out runs/train/speed22-bos-pydocs --steps 300 --seq-len 2048 --lr 5e-4 \
+		--distill 0.5 --seed 0 --save-every 50 --resume
+	mkdir -p $(PYDOCS_ADAPTER)
+	cd runs/train/speed22-bos-pydocs && cp adapter_config.json adapter_model.safetensors \
+		training.json loss.png $(CURDIR)/$(PYDOCS_ADAPTER)/
 
 # The shipped adapter: SmolLM2-135M for speed:lcut=22,anchors=bos,deep=1 (about 85 min on 2 free cores).
 adapter: install
@@ -425,7 +449,7 @@ eval-qwen-adapter: qwen
 # index, so `make gpu-wheels` (here) puts pytest's wheels in .gpu-wheels to carry along.
 GPU_OUT ?= runs/gpu
 gpu-check:
-	python3 benchmarks/gpu.py --out $(GPU_OUT) --wheels .gpu-wheels
+	PYTHONPATH=src python3 benchmarks/gpu.py --out $(GPU_OUT) --wheels .gpu-wheels
 
 gpu-wheels: install
 	$(PIP) download --quiet --disable-pip-version-check --no-deps --only-binary=:all: \

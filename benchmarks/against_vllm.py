@@ -5,11 +5,11 @@
 On a shared CPU the speed of the same work can drift by 1.5-2x within minutes, so two engines
 timed one after the other (benchmarks/peers.py) can differ by the drift alone. Here vLLM stays
 loaded in its own process (`benchmarks/vllm_peer.py --serve`, in vLLM's environment: make
-vllm-venv) and the engines take turns request by request: each round runs every length once on
-speedkv `full`, speedkv SPEED-22 (both on prepacked weights, the CLI's default) and vLLM
-`full` (compiled, prefix caching off), in an order rotated from round to round. A round gives
-its own ratios; the table shows their median and range over the rounds. Same token ids for
-every engine, greedy, EOS ignored, the same thread count.
+vllm-venv) and the engines take turns request by request (speedkv.bench.paired): at each
+length, each round runs speedkv `full`, speedkv SPEED-22 (both on prepacked weights, the CLI's
+default) and vLLM `full` (compiled, prefix caching off) once, in an order rotated from round to
+round. A round gives its own ratios; the table shows their median and range over the rounds.
+Same token ids for every engine, greedy, EOS ignored, the same thread count.
 
 Writes OUT/results.json and OUT/table.md.
 """
@@ -26,15 +26,14 @@ import time
 from pathlib import Path
 
 import torch
+from peers import SPEED, progress, row  # the script beside this one (its folder is on sys.path)
 
 from speedkv import Engine, Request, SamplingParams, load_model
 from speedkv._openmp import peer_environment
 from speedkv.bench.machine import machine_facts
+from speedkv.bench.paired import paired_ratio, turn_about
 from speedkv.prompts.builders import exact_chat_prompt
-
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from peers import SPEED, progress, row  # noqa: E402  (the scripts beside this one)
-from vllm_peer import READY, RESULT  # noqa: E402  (stdlib only at import: runs in any venv)
+from speedkv.vllm.timing import READY, RESULT
 
 HERE = Path(__file__).resolve().parent
 SPEEDKV = "speedkv prepacked"
@@ -102,14 +101,14 @@ def ratio_cells(rows: list[dict], mine: tuple[str, str], theirs: str, n: int) ->
     for r in rows:
         if r["length"] == n and (r["engine"], r["method"]) in (mine, (theirs, "full")):
             by_round.setdefault(r["repeat"], {})[r["engine"]] = r
+    pairs = [p for p in by_round.values() if len(p) == 2]
     cells = ""
     for key in ("ttft_s", "tpot_s"):
-        ratios = [p[mine[0]][key] / p[theirs][key] for p in by_round.values() if len(p) == 2]
-        cells += (
-            f" {statistics.median(ratios):.2f} ({min(ratios):.2f}-{max(ratios):.2f}) |"
-            if ratios
-            else " – |"
-        )
+        if not pairs:
+            cells += " – |"
+            continue
+        got = paired_ratio([p[mine[0]][key] for p in pairs], [p[theirs][key] for p in pairs])
+        cells += f" {got.median:.2f} ({got.min:.2f}-{got.max:.2f}) |"
     return cells
 
 
@@ -199,27 +198,28 @@ def main() -> None:
         "rows": [],
     }
 
-    def run_speedkv(method: str, n: int, turn: int) -> dict:
+    def run_speedkv(method: str, n: int) -> tuple:
         g = engine.generate([Request(prompts[n], policies[method], sampling)])[0]
-        return row(SPEEDKV, method, n, turn, g.ttft_s, g.tpot_s, g.output_ids)
+        return SPEEDKV, method, n, g.ttft_s, g.tpot_s, g.output_ids
 
-    def run_vllm(n: int, turn: int) -> dict:
+    def run_vllm(n: int) -> tuple:
         job = served.run(jobs[n])
-        return row(vllm, "full", n, turn, job["ttft_s"], job["tpot_s"], job["output_ids"][0])
+        return vllm, "full", n, job["ttft_s"], job["tpot_s"], job["output_ids"][0]
 
-    turns = [
-        lambda n, t: run_speedkv("full", n, t),
-        lambda n, t: run_speedkv(SPEED, n, t),
-        run_vllm,
-    ]
+    def record(turn: int, _arm: str, done: tuple) -> None:
+        engine_name, method, n, ttft, tpot, output_ids = done
+        result["rows"].append(row(engine_name, method, n, turn, ttft, tpot, output_ids))
+        progress(result["rows"][-1])
+        (args.out / "results.json").write_text(json.dumps(result, indent=1))
+
     try:
-        for turn in range(args.rounds):
-            for n in lengths:
-                shift = turn % len(turns)  # rotated: no engine always runs first
-                for run in turns[shift:] + turns[:shift]:
-                    result["rows"].append(run(n, turn))
-                    progress(result["rows"][-1])
-            (args.out / "results.json").write_text(json.dumps(result, indent=1))
+        for n in lengths:  # the engines in turn at each length, the order rotated each round
+            arms = {
+                "full": lambda n=n: run_speedkv("full", n),
+                SPEED: lambda n=n: run_speedkv(SPEED, n),
+                "vllm": lambda n=n: run_vllm(n),
+            }
+            turn_about(arms, args.rounds, warmup=0, after=record)  # warmed up above
     finally:
         served.close()
     table = tables(result["rows"], lengths, vllm)

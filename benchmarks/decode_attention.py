@@ -8,7 +8,7 @@ over a bfloat16 cache held as the engine holds it, a view into a buffer with roo
 (length, batch) gets 30 layers of caches, cycled so reads come from memory, not the CPU's
 caches; the kernels take turns, and each row is the median of the rounds. Kernels:
 
-- `native`: speedkv's C++ kernel, the whole batch in one call (core/csrc);
+- `native`: speedkv's C++ kernel, the whole batch in one call (kernels/csrc);
 - `fused`: torch's fused attention on the packed queries, one call per sequence;
 - `matmul`: one matrix product per KV head for scores and output, per sequence;
 - `bmm`: two batched matrix products around a float32 softmax, per sequence (torch copies
@@ -23,8 +23,8 @@ import time
 
 import torch
 
-from speedkv.core.attention import fused_decode_attention, matmul_decode_attention
-from speedkv.core.native import native_ops
+from speedkv.kernels.attention import fused_decode_attention, matmul_decode_attention
+from speedkv.kernels.native import native_ops
 
 
 def bmm(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:

@@ -32,10 +32,10 @@ WEIGHT_OPS = {
     "aten::addmm",
     "aten::_weight_int8pack_mm",
     "mkldnn::_linear_pointwise",
-    "speedkv::packed_linear",  # the native decode linear kernel (core/csrc/decode_linear.cpp)
-    "speedkv::tile_linear",  # the AMX kernel for decode batches (core/csrc/tile_linear.cpp)
+    "speedkv::packed_linear",  # the native decode linear kernel (kernels/csrc/decode_linear.cpp)
+    "speedkv::tile_linear",  # the AMX kernel for decode batches (kernels/csrc/tile_linear.cpp)
 }
-# the native attention kernel as a whole decode layer calls it (core/csrc/decode_layer.cpp),
+# the native attention kernel as a whole decode layer calls it (kernels/csrc/decode_layer.cpp),
 # with no Python function around it to name
 NATIVE_ATTENTION = "speedkv::decode_attention"
 ATTENTION_RANGE = "decode attention"
@@ -126,7 +126,7 @@ def main() -> None:
     args = parser.parse_args()
     model = load_model("smollm2-135m", dtype=args.dtype, progress=False)
     if args.weights != "native":
-        from speedkv.hf.int8 import with_weights
+        from speedkv.hf.loading import with_weights
 
         model = with_weights(model, args.weights)
     engine = Engine(model)

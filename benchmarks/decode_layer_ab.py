@@ -3,22 +3,24 @@
     .venv/bin/python benchmarks/decode_layer_ab.py --lengths 2048,8128 --rounds 4
 
 One engine, one process: for each prompt length and method, generates the same request
-`--rounds` times with the layers in one call (core/csrc/decode_layer.cpp) and as many times
+`--rounds` times with the layers in one call (kernels/csrc/decode_layer.cpp) and as many times
 in parts (the Python path, which makes the same kernel calls one by one), alternating which
-goes first, and prints each side's TPOT and the median of the rounds' ratios. Pairing the
-rounds sheds most of a noisy machine's drift. Both sides decode the same tokens: the script
-checks it.
+goes first (speedkv.bench.paired), and prints each side's TPOT and the median of the rounds'
+ratios. Pairing the rounds sheds most of a noisy machine's drift. Both sides decode the same
+tokens: the script checks it.
 """
 
 from __future__ import annotations
 
 import argparse
+import functools
 import statistics
 from contextlib import contextmanager
 
 import torch
 
 from speedkv import Engine, Request, SamplingParams, load_model
+from speedkv.bench.paired import turn_about
 from speedkv.hf.backbone import Backbone
 from speedkv.prompts.builders import exact_chat_prompt
 
@@ -53,25 +55,27 @@ def main() -> None:
     sampling = SamplingParams(max_new_tokens=args.new_tokens, ignore_eos=True)
     print("| method | tokens | TPOT one call ms | TPOT in parts ms | one call / in parts |")
     print("|---|---:|---:|---:|---:|")
+
+    def one_call(request: Request):
+        return engine.generate([request])[0]
+
+    def in_parts(request: Request):
+        with layers_in_parts():
+            return engine.generate([request])[0]
+
     for length in (int(n) for n in args.lengths.split(",")):
         ids = exact_chat_prompt(model.tokenizer, length)
         for method in args.methods.split(";"):
             request = Request(ids, engine.policy(method), sampling)
-            engine.generate([request])  # warm-up
-            tpot: dict[str, list[float]] = {"one call": [], "in parts": []}
-            tokens = {}
-            for r in range(args.rounds):
-                for side in ("one call", "in parts") if r % 2 == 0 else ("in parts", "one call"):
-                    if side == "in parts":
-                        with layers_in_parts():
-                            done = engine.generate([request])[0]
-                    else:
-                        done = engine.generate([request])[0]
-                    tpot[side].append(1000 * done.tpot_s)
-                    tokens.setdefault(side, done.output_ids)
-            if tokens["one call"] != tokens["in parts"]:
+            # one warm-up round, then the two paths in turn, round by round
+            arms = {"one call": functools.partial(one_call, request),
+                    "in parts": functools.partial(in_parts, request)}  # fmt: skip
+            done = turn_about(arms, args.rounds)
+            first = {side: done.results[side][0].output_ids for side in arms}
+            if first["one call"] != first["in parts"]:
                 raise SystemExit(f"{method} at {length}: the two paths decoded different tokens")
-            ratio = statistics.median(a / b for a, b in zip(tpot["one call"], tpot["in parts"]))
+            tpot = {side: done.figures(side, lambda g: 1000 * g.tpot_s) for side in arms}
+            ratio = done.ratio("one call", "in parts", "tpot_s").median
             print(
                 f"| `{method}` | {length} | {statistics.median(tpot['one call']):.1f} "
                 f"| {statistics.median(tpot['in parts']):.1f} | {ratio:.3f} |",

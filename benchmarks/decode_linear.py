@@ -10,7 +10,7 @@ turns; each row is the median of the rounds. Kernels:
 
 - `native`: speedkv's kernel on the CPU's bfloat16 dot-product instruction (AVX512-BF16), or
   on AVX2's float32 multiply-adds, weights packed in its own layout
-  (core/csrc/decode_linear.cpp); what `--prepack` runs on such CPUs;
+  (kernels/csrc/decode_linear.cpp); what `--prepack` runs on such CPUs;
 - `onednn`: oneDNN's kernel on weights prepacked in its blocked layout (torch's
   `mkldnn._linear_pointwise`); left out where oneDNN takes no bfloat16 (AVX2-only CPUs);
 - `float32`: the same weights in float32 on oneDNN's prepacked layout, with float32 inputs:
@@ -33,9 +33,9 @@ import time
 import torch
 import torch.nn.functional as F
 
-from speedkv.core.native import has_linear_kernel, native_ops
-from speedkv.hf import fused
 from speedkv.hf.int8 import Int8Linear
+from speedkv.kernels import linear
+from speedkv.kernels.native import has_linear_kernel, native_ops
 
 LAYER_SHAPES = [(960, 576), (576, 576), (3072, 576), (576, 1536)]  # [out, in]
 HEAD_SHAPE = (49152, 576)
@@ -64,7 +64,7 @@ def main() -> None:
     if args.threads:
         torch.set_num_threads(args.threads)
     kernels = args.kernels.split(",")
-    if not fused.onednn_bf16() and "onednn" in kernels:
+    if not linear.onednn_bf16() and "onednn" in kernels:
         print("oneDNN takes no bfloat16 weights on this CPU: its row is left out")
         kernels.remove("onednn")
     ops = native_ops()
@@ -75,12 +75,12 @@ def main() -> None:
     int8 = [Int8Linear(_as_linear(w)).tensors() for w, _ in plain] if "int8" in args.kernels else []
     weights = {
         "plain": plain,
-        "onednn": [fused.prepacked(w) for w in plain] if "onednn" in kernels else [],
-        "float32": [fused.prepacked((w.float(), None)) for w, _ in plain]
+        "onednn": [linear.prepacked(w) for w in plain] if "onednn" in kernels else [],
+        "float32": [linear.prepacked((w.float(), None)) for w, _ in plain]
         if "float32" in kernels
         else [],
-        "native": [fused.prepacked(w, ops) for w in plain] if "native" in kernels else [],
-        "native-int8": [fused.prepacked(t, ops) for t in int8] if "native-int8" in kernels else [],
+        "native": [linear.prepacked(w, ops) for w in plain] if "native" in kernels else [],
+        "native-int8": [linear.prepacked(t, ops) for t in int8] if "native-int8" in kernels else [],
         "torch-int8": int8,
     }
     total = sum(w.numel() * w.element_size() for w, _ in plain)
@@ -97,7 +97,7 @@ def main() -> None:
                     F.linear(inputs[width], *tensors)
                 else:
                     x = wide[width] if kernel == "float32" else inputs[width]
-                    fused.apply_linear(x, tensors)
+                    linear.apply_linear(x, tensors)
 
         times: dict[str, list[float]] = {k: [] for k in kernels}
         for kernel in kernels:

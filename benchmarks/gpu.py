@@ -3,14 +3,15 @@
 against SPEED-24 (BoS anchor) at the paper's scale, Llama-3.1-8B's shape with random bfloat16
 weights, beside transformers' own `generate` (SDPA), and where a step's time goes.
 
-    python benchmarks/gpu.py --out OUT                         # on a GPU
-    python benchmarks/gpu.py --tiny --device cpu --out OUT     # the same steps, tiny, anywhere
+    PYTHONPATH=src python3 benchmarks/gpu.py --out OUT                       # on a GPU
+    PYTHONPATH=src python3 benchmarks/gpu.py --tiny --device cpu --out OUT   # tiny, anywhere
 
-It runs from the source tree (nothing is installed; the engine's tests pass on transformers
-5.17, the newest a lent GPU machine has) and writes, under OUT:
+It runs from the source tree, in the repository's root (speedkv is not installed there:
+PYTHONPATH=src, as `make gpu-check` sets it; the engine's tests pass on transformers 5.17, the
+newest a lent GPU machine has) and writes, under OUT:
 
 - `exactness.json`: the outcome of every reference test run with `--device` (the float32
-  tests of tests/test_engine_equivalence.py, test_batch.py, test_prefix_reuse.py,
+  tests of tests/unit/test_engine_equivalence.py, test_batch.py, test_prefix_reuse.py,
   test_methods_equivalence.py and test_graph_decode.py on tiny random Llama and Qwen2
   models); off the CPU, again with every decode step recorded (`exactness_recorded`),
 - `efficiency.json`: TTFT, TPOT (64 new tokens) and KV bytes per method and prompt length,
@@ -47,27 +48,32 @@ from pathlib import Path
 
 import torch
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT / "src"))
+try:
+    from speedkv.core.engine import Engine, Request
+    from speedkv.core.graph_decode import GraphDecode
+    from speedkv.core.registry import make_policy
+    from speedkv.core.sampling import SamplingParams
+    from speedkv.hf.loading import LoadedModel
+    from speedkv.kernels.attention import (
+        decode_attention,
+        fused_decode_attention,
+        live_flash_decode_attention,
+        matmul_decode_attention,
+    )
+except ModuleNotFoundError as missing:  # a GPU machine has torch and transformers, not speedkv
+    if missing.name != "speedkv":
+        raise
+    sys.exit("speedkv is not importable: run the check from the repository's root as "
+             "`PYTHONPATH=src python3 benchmarks/gpu.py ...` (make gpu-check does)")  # fmt: skip
 
-from speedkv.core.attention import (  # noqa: E402
-    decode_attention,
-    fused_decode_attention,
-    live_flash_decode_attention,
-    matmul_decode_attention,
-)
-from speedkv.core.engine import Engine, Request  # noqa: E402
-from speedkv.core.graph_decode import GraphDecode  # noqa: E402
-from speedkv.core.registry import make_policy  # noqa: E402
-from speedkv.core.sampling import SamplingParams  # noqa: E402
-from speedkv.hf.loading import LoadedModel  # noqa: E402
+ROOT = Path(__file__).resolve().parents[1]
 
 TEST_FILES = [
-    "tests/test_engine_equivalence.py",
-    "tests/test_batch.py",
-    "tests/test_prefix_reuse.py",
-    "tests/test_methods_equivalence.py",
-    "tests/test_graph_decode.py",
+    "tests/unit/test_engine_equivalence.py",
+    "tests/unit/test_batch.py",
+    "tests/integration/test_prefix_reuse.py",
+    "tests/unit/test_methods_equivalence.py",
+    "tests/unit/test_graph_decode.py",
 ]
 # Llama-3.1-8B: 32 layers, 32 query and 8 KV heads of 128, hidden 4096, MLP 14336
 PAPER_SHAPE = dict(

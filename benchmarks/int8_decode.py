@@ -1,5 +1,5 @@
 """Weight-only int8 against the model's native weights, in one process: TTFT and TPOT of the
-same prompts under each, alternating, so the ratios are same-run figures.
+same prompts under each, turn about (speedkv.bench.paired), so the ratios are same-run figures.
 
     .venv/bin/python benchmarks/int8_decode.py --lengths 2048,4096 --repeats 3 [--prepack]
 
@@ -9,9 +9,11 @@ Prints a markdown table: medians per method, length and weights, and int8 / nati
 from __future__ import annotations
 
 import argparse
+import functools
 import statistics
 
 from speedkv import Engine, Request, SamplingParams, load_model
+from speedkv.bench.paired import turn_about
 from speedkv.hf.loading import quantize_int8
 from speedkv.prompts.builders import chat_document
 
@@ -37,33 +39,31 @@ def main() -> None:
     lengths = [int(n) for n in args.lengths.split(",")]
     methods = args.methods.split(";")
     sampling = SamplingParams(max_new_tokens=args.new_tokens, ignore_eos=True)
-    times: dict[tuple, list[tuple[float, float]]] = {}
-    for repeat in range(args.repeats + 1):  # the first round warms up and is not counted
-        for n in lengths:
-            ids = native.tokenizer(chat_document(native.tokenizer, n))["input_ids"][:n]
-            for method in methods:
-                order = ["native", "int8"] if repeat % 2 == 0 else ["int8", "native"]
-                for weights in order:
-                    engine = engines[weights]
-                    request = Request(ids, engine.policy(method), sampling)
-                    g = engine.generate([request])[0]
-                    if repeat:
-                        times.setdefault((method, n, weights), []).append((g.ttft_s, g.tpot_s))
     print(
         "| method | tokens | TTFT native s | TTFT int8 s | TPOT native ms | TPOT int8 ms "
         "| TTFT int8/native | TPOT int8/native |"
     )
     print("|---|---:|---:|---:|---:|---:|---:|---:|")
+
+    def run(weights: str, ids: list[int], method: str):
+        engine = engines[weights]
+        return engine.generate([Request(ids, engine.policy(method), sampling)])[0]
+
     for method in methods:
         for n in lengths:
-            a, b = times[(method, n, "native")], times[(method, n, "int8")]
-            ttft = statistics.median(y[0] / x[0] for x, y in zip(a, b))
-            tpot = statistics.median(y[1] / x[1] for x, y in zip(a, b))
+            ids = native.tokenizer(chat_document(native.tokenizer, n))["input_ids"][:n]
+            # one warm-up round, then the two weights in turn, round by round
+            arms = {w: functools.partial(run, w, ids, method) for w in engines}
+            done = turn_about(arms, args.repeats)
+            ttft = done.ratio("int8", "native", "ttft_s").median
+            tpot = done.ratio("int8", "native", "tpot_s").median
+            a, b = done.results["native"], done.results["int8"]
             print(
-                f"| `{method}` | {n} | {statistics.median(x[0] for x in a):.3f} | "
-                f"{statistics.median(x[0] for x in b):.3f} | "
-                f"{1000 * statistics.median(x[1] for x in a):.1f} | "
-                f"{1000 * statistics.median(x[1] for x in b):.1f} | {ttft:.3f} | {tpot:.3f} |"
+                f"| `{method}` | {n} | {statistics.median(g.ttft_s for g in a):.3f} | "
+                f"{statistics.median(g.ttft_s for g in b):.3f} | "
+                f"{1000 * statistics.median(g.tpot_s for g in a):.1f} | "
+                f"{1000 * statistics.median(g.tpot_s for g in b):.1f} | {ttft:.3f} | {tpot:.3f} |",
+                flush=True,
             )
 
 

@@ -2,8 +2,9 @@
 revisions, in alternating processes: on a shared machine whose speed drifts by tens of percent
 within minutes, only figures taken turn about in the same window compare.
 
-Each round runs one process per (revision, setting): SmolLM2 on prepacked weights (the CLI's
-default), `full` and SPEED-22 at each length, 32 new tokens. The table gives the medians over
+Each round runs one process per (revision, setting), in an order rotated from round to round
+(speedkv.bench.paired): SmolLM2 on prepacked weights (the CLI's default), `full` and SPEED-22
+at each length, 32 new tokens. The table gives the medians over
 the rounds. Settings: `auto` (the measured kernel choice, bfloat16), `torch`
 (SPEEDKV_KERNELS=torch), `onednn-without-amx` (ONEDNN_MAX_CPU_ISA=AVX512_CORE_BF16) and
 `float32` (the measured choice on float32 weights: what `--dtype auto` loads on a CPU without
@@ -18,6 +19,7 @@ Each earlier revision is checked out in a temporary git worktree and imported fr
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import os
 import statistics
@@ -106,6 +108,8 @@ def main() -> None:
     if args.child:
         print(json.dumps(measure(lengths)))
         return
+    from speedkv.bench.paired import turn_about  # not at the top: children import older trees
+
     args.out.mkdir(parents=True, exist_ok=True)
     rows: list[dict] = []
     revisions = args.before.split(",")
@@ -114,20 +118,27 @@ def main() -> None:
         for tree, revision in zip(trees, revisions):
             subprocess.run(["git", "-C", str(ROOT), "worktree", "add", "--detach", str(tree),
                             revision], check=True, capture_output=True)  # fmt: skip
-        codes = [(f"before ({r})", tree) for r, tree in zip(revisions, trees)]
+        sources = {f"before ({r})": tree for r, tree in zip(revisions, trees)}
+        sources["this tree"] = ROOT
+        # every (setting, code) once a round, in an order rotated from round to round
+        arms = {
+            (setting, code): functools.partial(run_one, source, setting, args.lengths)
+            for setting in args.settings.split(",")
+            for code, source in sources.items()
+        }
+
+        def record(round_: int, arm: tuple[str, str], figures: dict) -> None:
+            setting, code = arm
+            rows.append({"round": round_, "code": code, "setting": setting, "figures": figures})
+            said = figures.get("error") or ", ".join(
+                f"{k} {v['ttft_s']:.2f} s / {v['tpot_ms']:.1f} ms" for k, v in figures.items()
+            )
+            print(f"[kernel-paths-ab] round {round_ + 1}/{args.rounds} {setting} {code}: {said}",
+                  flush=True)  # fmt: skip
+            (args.out / "results.json").write_text(json.dumps(rows, indent=1))
+
         try:
-            for round_ in range(args.rounds):
-                for setting in args.settings.split(","):
-                    for code, source in [*codes, ("this tree", ROOT)]:
-                        figures = run_one(source, setting, args.lengths)
-                        rows.append({"round": round_, "code": code, "setting": setting,
-                                     "figures": figures})  # fmt: skip
-                        said = figures.get("error") or ", ".join(
-                            f"{k} {v['ttft_s']:.2f} s / {v['tpot_ms']:.1f} ms"
-                            for k, v in figures.items())  # fmt: skip
-                        print(f"[kernel-paths-ab] round {round_ + 1}/{args.rounds} {setting} "
-                              f"{code}: {said}", flush=True)  # fmt: skip
-                        (args.out / "results.json").write_text(json.dumps(rows, indent=1))
+            turn_about(arms, args.rounds, warmup=0, after=record)  # each process warms up itself
         finally:
             for tree in trees:
                 subprocess.run(["git", "-C", str(ROOT), "worktree", "remove", "--force",

@@ -274,7 +274,7 @@ def attention_numerics(old_header: dict | None, choice: str = "auto") -> str:
     answers were made with (bfloat16 before runs recorded it), a new one takes float32
     products where oneDNN takes no bfloat16. The two give different greedy text on long
     answers (20 of 44 answers of two samples, 4 scores), so a run never mixes them, and a
-    board's peer runs should share one (`benchmarks/ruler_leaderboard.py` passes it on)."""
+    board's peer runs should share one (`speedkv leaderboard run` passes it on)."""
     if choice != "auto":
         return choice
     if old_header is not None:
@@ -283,8 +283,11 @@ def attention_numerics(old_header: dict | None, choice: str = "auto") -> str:
 
 
 def recorded_attention(header: dict) -> str:
-    """The attention a header's answers were made with: bfloat16 before headers said."""
-    return header.get("attention", ATTENTION_IN_BFLOAT16)
+    """The attention a header's answers were made with: bfloat16 before headers said (the
+    driver's side: the leaderboard reads headers by the same rule)."""
+    from speedkv.leaderboard.peers import recorded_attention as rule
+
+    return rule(header)
 
 
 def attention_in_float32() -> None:

@@ -22,15 +22,28 @@ Reported: answers equal, scores, and the overlap of the kept positions per layer
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import json
 import os
 import subprocess
 import sys
 import time
 from pathlib import Path
+from types import ModuleType
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-import kvpress_peer as peer  # noqa: E402  (the script beside this one)
+
+def _kvpress_peer() -> ModuleType:
+    """benchmarks/kvpress_peer.py, loaded from its file: a script run by path in two
+    environments (speedkv's and kvpress's), not a package module. Nothing is added to sys.path."""
+    path = Path(__file__).resolve().with_name("kvpress_peer.py")
+    spec = importlib.util.spec_from_file_location("kvpress_peer", path)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # its dataclasses look their module up while it runs
+    spec.loader.exec_module(module)
+    return module
+
+
+peer = _kvpress_peer()
 
 WINDOW, KERNEL = 64, 5  # SnapKVPress's defaults
 

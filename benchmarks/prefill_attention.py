@@ -9,7 +9,7 @@ view) and the keys and values as views into a cache buffer. The kernels take tur
 is the median of the rounds. FLOPs count the causal half only: 2 products of 2 * D
 operations per query-key pair, n (n + 1) / 2 pairs per query head. Kernels:
 
-- `native`: speedkv's C++ kernel on the CPU's bfloat16 dot-product instruction (core/csrc);
+- `native`: speedkv's C++ kernel on the CPU's bfloat16 dot-product instruction (kernels/csrc);
 - `torch`: torch's scaled_dot_product_attention, causal, grouped-query heads in the kernel.
 """
 
@@ -22,7 +22,7 @@ import time
 import torch
 import torch.nn.functional as F
 
-from speedkv.core.native import has_prefill_kernel, native_ops
+from speedkv.kernels.native import has_prefill_kernel, native_ops
 
 
 def native(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:

@@ -1,6 +1,7 @@
 """TTFT of one prefill at several chunk sizes, turn about in one process (on a CPU whose speed
-drifts within minutes, only paired rounds compare): SmolLM2 in bfloat16 on prepacked weights,
-`full` and SPEED-22, the median over rounds of each chunk size's TTFT over the first's.
+drifts within minutes, only paired rounds compare: speedkv.bench.paired): SmolLM2 in bfloat16
+on prepacked weights, `full` and SPEED-22, the median over rounds of each chunk size's TTFT over
+the first's.
 
     python benchmarks/prefill_chunks.py --lengths 2048,8128 --chunks 1024,2048 --rounds 6
 """
@@ -8,11 +9,13 @@ drifts within minutes, only paired rounds compare): SmolLM2 in bfloat16 on prepa
 from __future__ import annotations
 
 import argparse
+import functools
 import statistics
 
 import torch
 
 from speedkv import Engine, Request, SamplingParams, load_model
+from speedkv.bench.paired import turn_about
 from speedkv.prompts.builders import exact_chat_prompt
 
 METHODS = {"full": "full", "SPEED-22": "speed:lcut=22,anchors=bos"}
@@ -33,22 +36,19 @@ def main() -> None:
     print("| tokens | method | " + " | ".join(f"TTFT s, chunks of {c}" for c in chunks)
           + " | " + " | ".join(f"{c} / {chunks[0]}" for c in chunks[1:]) + " |")  # fmt: skip
     print("|---:|---|" + "---:|" * (2 * len(chunks) - 1))
+
+    def first_token(chunk: int, ids: list[int], spec: str):
+        engine = engines[chunk]
+        return engine.generate([Request(ids, engine.policy(spec), one_token)])[0]
+
     for length in (int(n) for n in args.lengths.split(",")):
         ids = exact_chat_prompt(model.tokenizer, length)
         for name, spec in METHODS.items():
-            for engine in engines.values():  # warm-up
-                engine.generate([Request(ids, engine.policy(spec), one_token)])
-            ttft: dict[int, list[float]] = {c: [] for c in chunks}
-            for turn in range(args.rounds):
-                for c in chunks if turn % 2 == 0 else chunks[::-1]:
-                    engine = engines[c]
-                    done = engine.generate([Request(ids, engine.policy(spec), one_token)])
-                    ttft[c].append(done[0].ttft_s)
-            medians = [f"{statistics.median(ttft[c]):.3f}" for c in chunks]
-            ratios = [
-                f"{statistics.median(a / b for a, b in zip(ttft[c], ttft[chunks[0]])):.3f}"
-                for c in chunks[1:]
-            ]
+            # one warm-up round, then every chunk size in turn, round by round
+            arms = {c: functools.partial(first_token, c, ids, spec) for c in chunks}
+            done = turn_about(arms, args.rounds)
+            medians = [f"{statistics.median(done.figures(c, 'ttft_s')):.3f}" for c in chunks]
+            ratios = [f"{done.ratio(c, chunks[0], 'ttft_s').median:.3f}" for c in chunks[1:]]
             print(f"| {length} | {name} | " + " | ".join(medians + ratios) + " |", flush=True)
 
 

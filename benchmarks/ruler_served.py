@@ -33,6 +33,7 @@ from pathlib import Path
 from speedkv.errors import UserError
 from speedkv.evals import ruler, ruler_served
 from speedkv.hf.loading import load_tokenizer, model_directory
+from speedkv.leaderboard.served import compare, served_page
 
 SERVER_START_S = 600  # loading (and on first use converting) the model
 NO_PROXY = urllib.request.build_opener(urllib.request.ProxyHandler({}))  # loopback, never a proxy
@@ -190,7 +191,7 @@ def run(args: argparse.Namespace) -> None:
                     tokenizer, route, url, card["id"], card["speedkv"]["context"], tasks,
                     args.length, args.seed, args.samples, root, work,
                 )  # fmt: skip
-                per_sample, per_task = ruler_served.compare(served, records, spec, args.length)
+                per_sample, per_task = compare(served, records, spec, args.length)
                 samples += per_sample
                 rows += per_task
 
@@ -219,42 +220,9 @@ def run(args: argparse.Namespace) -> None:
     }
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / "results.json").write_text(json.dumps(result, indent=2) + "\n")
-    table = page(result)
+    table = served_page(result)
     (args.out / "table.md").write_text(table)
     print(table)
-
-
-def page(result: dict) -> str:
-    completion = [r for r in result["tasks_table"] if r["route"] == "completion"]
-    equal = all(r["identical"] == r["n"] and r["scores_equal"] for r in completion)
-    verdict = (
-        "every answer of the completion route is identical to the in-process one, so every "
-        "score is equal"
-        if equal
-        else "the completion route's answers are NOT all identical to the in-process ones"
-    )
-    routes = (
-        "Routes: **completion** posts each sample's input to /v1/completions, laid out in the "
-        "model's chat template exactly as the in-process prompt (checked token for token), the "
-        "answer prefix opening the reply"
-    )
-    if "chat" in result["routes"]:
-        routes += (
-            "; **chat** sends RULER's input unchanged as one user message to "
-            "/v1/chat/completions (the package's OpenAI client), so the answer prefix ends the "
-            "question instead of opening the reply and answers may differ by design"
-        )
-    versions = result["versions"]
-    return (
-        f"# RULER through its own client against `speedkv serve`\n\n"
-        f"{result['package']}; model `{result['model']}` ({result['dtype']}), RULER length "
-        f"{result['length']}, {result['samples']} samples per task, seed {result['seed']}; "
-        f"{result['server']}. Scores in percent: the served ones from RULER's scorer "
-        f"(`{result['scorer']}`), the in-process ones the mean of `speedkv eval`'s records. "
-        f"Measured {result['date']} with speedkv {versions.get('speedkv')} in "
-        f"{result['elapsed_s'] / 60:.0f} min. Regenerate with `{result['command']}`.\n\n"
-        f"{routes}.\n\nResult: {verdict}.\n\n" + ruler_served.markdown_table(result["tasks_table"])
-    )
 
 
 if __name__ == "__main__":

@@ -25,6 +25,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import dataclasses
+import functools
 import json
 import statistics
 import sys
@@ -180,12 +181,15 @@ def main(argv: list[str] | None = None) -> int:
     servers = [("stock vLLM, prefix caching", "full", True),
                (f"{speed}, prefix caching", args.method, True),
                (f"{speed}, no prefix caching", args.method, False)]  # fmt: skip
-    runs: list[ServerRun] = []
-    for repeat in range(args.repeats):  # servers in rotated order, so drift hits each alike
-        shift = repeat % len(servers)
-        runs += [measure(args, *server, docs) for server in servers[shift:] + servers[:shift]]
-    summary = [median_run([r for r in runs if r.name == name]) for name, _, _ in servers]
     from speedkv.bench.machine import machine_facts
+    from speedkv.bench.paired import turn_about
+
+    runs: list[ServerRun] = []  # in the order they ran
+    # the servers in turn, their order rotated each repeat, so drift hits each alike
+    arms = {name: functools.partial(measure, args, name, method, caching, docs)
+            for name, method, caching in servers}  # fmt: skip
+    done = turn_about(arms, args.repeats, warmup=0, after=lambda _, __, run: runs.append(run))
+    summary = [median_run(done.results[name]) for name in arms]
 
     record = {
         "command": " ".join([".venv-vllm/bin/python benchmarks/vllm_multiturn.py",

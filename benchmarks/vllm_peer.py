@@ -1,8 +1,9 @@
 #!/usr/bin/env python3
 """Peer benchmark: vLLM's CPU build on the same token-id prompts as speedkv.
 
-Run it with the *vLLM* venv's interpreter (it imports only the stdlib, torch and
-vllm; never speedkv), e.g.::
+Run it with the *vLLM* venv's interpreter (`make vllm-venv`: vLLM, and speedkv for
+the timing it shares with `speedkv bench --backend vllm`, speedkv.vllm.timing, imported
+after torch so that speedkv's OpenMP default never reaches vLLM), e.g.::
 
     nice -n 10 /work/vllm-probe/.venv/bin/python benchmarks/vllm_peer.py \
         --model /root/.cache/speedkv/models/SmolLM2-135M-Instruct.Q4_1-<hash> \
@@ -75,7 +76,8 @@ Single-prompt jobs: the request is generated with ``max_tokens=N`` and
 ``disable_log_stats=False``, so ``RequestOutput.metrics`` is a
 ``RequestStateStats`` (vLLM 0.32.0 fields: arrival_time, queued_ts,
 scheduled_ts, first_token_ts, last_token_ts, first_token_latency,
-num_generation_tokens).  We report
+num_generation_tokens).  We report, as ``speedkv.vllm.timing.request_times``
+reads them (the one way speedkv times vLLM)
 
 * ``ttft_s = metrics.first_token_latency`` (front end wall clock from the
   request's arrival to the arrival of its first token; includes the whole
@@ -237,7 +239,7 @@ def parse_args(argv=None) -> argparse.Namespace:
         help="after start-up and warm-up (sized by --requests), answer jobs given one JSON a "
         "line on stdin with one '@@result <json>' line each on stdout (one repeat), until "
         "stdin closes: for a caller that interleaves vLLM's runs with its own engine's "
-        "(benchmarks/against_vllm.py).",
+        "(benchmarks/against_vllm.py; speedkv.vllm.timing.serve_jobs).",
     )
     p.add_argument(
         "--cold-compile",
@@ -491,20 +493,6 @@ def _upper_rows(worker):
     return getattr(worker.model_runner.model, "upper_rows", None)
 
 
-READY, RESULT = "@@ready ", "@@result "  # how the lines --serve answers with on stdout start
-
-
-def serve(measure_job, about: dict) -> None:
-    """Answer jobs one at a time, the engine kept loaded: `@@ready <json about the engine>`
-    once, then for each JSON job a line on stdin one line `@@result <json>` on stdout (one
-    repeat), until stdin closes. A caller interleaves these with its own engine's runs, so
-    slow spells of a shared CPU fall on both engines alike."""
-    print(READY + json.dumps(about), flush=True)
-    for line in sys.stdin:
-        if line.strip():
-            print(RESULT + json.dumps(measure_job(json.loads(line), 1)), flush=True)
-
-
 def median(xs):
     xs = [x for x in xs if x is not None]
     return statistics.median(xs) if xs else None
@@ -560,7 +548,9 @@ def main(argv=None) -> int:
     import torch
     import vllm
     from vllm import LLM, SamplingParams
-    from vllm.inputs import TokensPrompt
+
+    # after torch: speedkv sets its OpenMP spin count only where torch is not loaded yet
+    from speedkv.vllm.timing import request_times, serve_jobs, timed_generate
 
     class _DropWeightDtypeSpam(logging.Filter):
         # one WARNING per weight when a float32 checkpoint is loaded as bf16
@@ -628,10 +618,7 @@ def main(argv=None) -> int:
         sp = SamplingParams(
             temperature=0.0, max_tokens=n, ignore_eos=True, detokenize=False, seed=0
         )
-        tps = [TokensPrompt(prompt_token_ids=list(p)) for p in prompts]
-        t = time.perf_counter()
-        outs = llm.generate(tps, sp, use_tqdm=False)
-        return time.perf_counter() - t, outs
+        return timed_generate(llm, prompts, sp)
 
     # ---- warm-up
     if args.warmup != "none":
@@ -688,16 +675,9 @@ def main(argv=None) -> int:
             elif ids != output_ids:
                 log(f"WARNING: job {name}: greedy output ids differ between repeats")
             if b == 1:
-                m = outs[0].metrics
-                ttft_m = tpot_m = None
-                if m is not None and getattr(m, "first_token_latency", 0) > 0:
-                    ttft_m = m.first_token_latency
-                    if n > 1 and m.num_generation_tokens > 1:
-                        tpot_m = (m.last_token_ts - m.first_token_ts) / (
-                            m.num_generation_tokens - 1
-                        )
-                s["ttft_metrics_s"].append(ttft_m)
-                s["tpot_metrics_s"].append(tpot_m)
+                times = request_times(outs[0])
+                s["ttft_metrics_s"].append(times.ttft_s if times else None)
+                s["tpot_metrics_s"].append(times.tpot_s if times and n > 1 else None)
 
         t1, tn = median(s["wall_1_s"]), median(s["wall_s"])
         tpot_wall = (tn - t1) / (n - 1) if n > 1 and tn > t1 else None
@@ -746,8 +726,8 @@ def main(argv=None) -> int:
         return r
 
     if args.serve:
-        serve(measure_job, {"vllm_version": vllm.__version__, "mode": args.mode,
-                            "threads": args.threads, "config": config_info})  # fmt: skip
+        serve_jobs(lambda job: measure_job(job, 1), {"vllm_version": vllm.__version__,
+                   "mode": args.mode, "threads": args.threads, "config": config_info})  # fmt: skip
         return 0
     results = [measure_job(j, args.repeats) for j in jobs]
 

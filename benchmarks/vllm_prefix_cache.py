@@ -11,8 +11,9 @@ For each method (stock vLLM is `full`), one engine with prefix caching on:
 
 - **TTFT.** Each of `--questions` questions of 30 tokens on a document of `--doc-tokens` tokens
   is asked twice, back to back, in alternating order: from scratch (vLLM's prefix cache reset),
-  and over the document cached by another question just before. TTFT is the wall time of a
-  one-token generation; every ratio is taken within its pair.
+  and over the document cached by another question just before. TTFT is that of a one-token
+  generation, timed as speedkv times vLLM (speedkv.vllm.timing: vLLM's own first-token
+  latency); every ratio is taken within its pair.
 - **Resident documents.** A fresh engine with a pool of `--pool-stock-blocks` stock blocks (the
   same bytes for every method) is sent `--documents` distinct documents, one after another,
   each with a question. Then vLLM's own prefix lookup (no request is run) says which of them
@@ -25,7 +26,6 @@ import argparse
 import gc
 import statistics
 import sys
-import time
 from pathlib import Path
 
 from vllm_capacity import BLOCK, in_process_vllm, stock_pool_bytes, write_record
@@ -36,8 +36,9 @@ def build(method: str, args, **options):
 
     from speedkv.vllm.args import engine_args
 
+    # disable_log_stats=False: vLLM keeps the request metrics TTFT is read from
     settings = dict(dtype=args.dtype, seed=0, enable_prefix_caching=True, block_size=BLOCK,
-                    max_model_len=args.doc_tokens + 256)  # fmt: skip
+                    max_model_len=args.doc_tokens + 256, disable_log_stats=False)  # fmt: skip
     return LLM(model=str(args.directory), **{**settings, **engine_args(method, args.directory),
                                               **options})  # fmt: skip
 
@@ -51,13 +52,16 @@ def close(llm) -> None:
 
 
 def first_token(llm, ids: list[int]) -> tuple[float, int]:
-    """Seconds to the first token of `ids`, and the prompt tokens vLLM took from its cache."""
+    """Seconds to the first token of `ids` (TTFT as speedkv times vLLM, the wall time of the
+    call where vLLM kept no metrics), and the prompt tokens vLLM took from its cache."""
     from vllm import SamplingParams
 
+    from speedkv.vllm.timing import request_times, timed_generate
+
     once = SamplingParams(temperature=0.0, max_tokens=1)
-    start = time.perf_counter()
-    out = llm.generate([{"prompt_token_ids": ids}], once, use_tqdm=False)[0]
-    return time.perf_counter() - start, int(out.num_cached_tokens or 0)
+    wall, (out,) = timed_generate(llm, [ids], once)
+    times = request_times(out)
+    return times.ttft_s if times else wall, int(out.num_cached_tokens or 0)
 
 
 def measure_ttft(method: str, args, doc: list[int], questions: list[list[int]]) -> dict:

@@ -97,8 +97,26 @@ SLOWEST_FIRST = (
 )
 
 
+# the suite's tiers, one folder each: every test carries its folder's marker, so `-m unit`
+# (make test-fast) or `-m "not integration"` picks tiers whatever paths pytest is given
+TIERS = {
+    "unit": "unit",
+    "integration": "integration",
+    "docs": "docs",
+    "benchmarks": "benchmarks",
+    "vllm_backend": "vllm",
+}
+
+
 def pytest_collection_modifyitems(config, items) -> None:
     here = Path(__file__).parent
+    for item in items:
+        if not item.path.is_relative_to(here):
+            continue  # a test from elsewhere that pytest was also given
+        folder = item.path.relative_to(here).parts[0]
+        if folder not in TIERS:
+            raise pytest.UsageError(f"{item.path} is in no tier: test files go in {sorted(TIERS)}")
+        item.add_marker(TIERS[folder])
     if missing := [name for name in SLOWEST_FIRST if next(here.rglob(name), None) is None]:
         raise pytest.UsageError(f"SLOWEST_FIRST names test files that do not exist: {missing}")
     rank = {name: place for place, name in enumerate(SLOWEST_FIRST)}

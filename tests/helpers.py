@@ -114,7 +114,7 @@ def fill_spec(template: str, layers: int, tokens: int) -> str:
 def compiler_targets(*macros: str) -> bool:
     """Whether the native kernels' compiler predefines every one of `macros` for its target
     here (`"__AMX_TILE__"`, ...); False where nothing can be compiled."""
-    from speedkv.core import native
+    from speedkv.kernels import native
 
     try:
         defined = {line.split()[0] for line in native.compiler_target()[1]}

@@ -1,5 +1,5 @@
 """The README's `.venv-vllm/bin/speedkv` lines run as written (with small sizes appended), from
-a newcomer's directory: the vLLM half of tests/test_readme.py. vLLM's torch.compile is switched
+a newcomer's directory: the vLLM half of tests/docs/test_readme.py. vLLM's torch.compile is switched
 off here (TORCH_COMPILE_DISABLE) to keep the suite's time: the compiled path has its own tests
 (test_vllm_compiled.py, and the pipeline-parallel ones in test_vllm_scaleout.py and
 test_vllm_prefix_cache.py)."""

@@ -11,7 +11,7 @@ from pathlib import Path
 import torch
 
 from speedkv._openmp import wait_setting
-from speedkv.hf.loading import cpu_info
+from speedkv.kernels.cpu import cpu_info
 
 # the instruction sets the kernels here (torch's, oneDNN's, speedkv's, vLLM's) choose between
 ISA_FLAGS = ("avx2", "avx512f", "avx512_bf16", "avx512_fp16", "amx_bf16", "amx_int8", "amx_tile",
@@ -63,8 +63,8 @@ def machine_label() -> str:
 
 def kernel_facts() -> dict:
     """The compiler the native kernels build with, whether each is built, and the kernel
-    chosen for each kind of work here (measured once per machine: core/tuning.py)."""
-    from speedkv.core import native, tuning
+    chosen for each kind of work here (measured once per machine: kernels/tuning.py)."""
+    from speedkv.kernels import native, tuning
 
     choice = tuning.kernel_choice()  # first, as it builds what this machine has not yet
     try:

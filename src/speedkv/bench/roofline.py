@@ -11,9 +11,10 @@ from dataclasses import dataclass
 
 import torch
 
-from speedkv.core.tuning import engine_kernels
-from speedkv.hf import fused
 from speedkv.hf.loading import dtype_name
+from speedkv.kernels import linear
+from speedkv.kernels.config import TORCH_KERNELS
+from speedkv.kernels.tuning import engine_config, engine_kernels
 
 
 @dataclass(frozen=True)
@@ -73,11 +74,12 @@ def measure_matmul(
     device: torch.device, dtype: torch.dtype, size: int = 2048, repeats: int = 5
 ) -> float:
     """FLOP/s of a square matmul, the best case for dense prefill work in `dtype`, on the
-    path a prefill's products take (`fused.apply_linear`: in float32 where the CPU's oneDNN
-    takes no bfloat16)."""
+    path a prefill's products take (`linear.apply_linear` on the engine's kernels: in float32
+    where the CPU's oneDNN takes no bfloat16, or where float32 was measured faster)."""
     a = torch.randn(size, size, device=device).to(dtype)
     b = (torch.randn(size, size, device=device).to(dtype), None)
-    seconds = _best_time(lambda: fused.apply_linear(a, b), device, repeats)
+    kernels = engine_config() if device.type == "cpu" else TORCH_KERNELS
+    seconds = _best_time(lambda: linear.apply_linear(a, b, kernels), device, repeats)
     return 2 * size**3 / seconds
 
 
@@ -96,7 +98,7 @@ def measure_gemv(
     element = 1 if int8 else torch.empty((), dtype=dtype).element_size()
     count = max(1, megabytes * 2**20 // (rows * cols * element))
     x = torch.randn(1, cols, device=device).to(dtype)
-    if int8:  # as fused.apply_linear takes int8 layers: (rows, scale, bias)
+    if int8:  # as linear.apply_linear takes int8 layers: (rows, scale, bias)
         scale = torch.rand(rows, device=device).to(dtype) / 127
         mats = [
             (torch.randint(-127, 128, (rows, cols), dtype=torch.int8, device=device), scale, None)
@@ -105,12 +107,12 @@ def measure_gemv(
     else:
         mats = [(torch.randn(rows, cols, device=device).to(dtype), None) for _ in range(count)]
         ops = engine_kernels() if device.type == "cpu" else None
-        if prepacked and fused.can_prepack(mats[0], ops):
-            mats = [fused.prepacked(w, ops) for w in mats]
+        if prepacked and linear.can_prepack(mats[0], ops):
+            mats = [linear.prepacked(w, ops) for w in mats]
 
     def run() -> None:
         for w in mats:
-            fused.apply_linear(x, w)
+            linear.apply_linear(x, w)
 
     return count * rows * cols * element / _best_time(run, device, repeats=5)
 

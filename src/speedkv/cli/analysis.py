@@ -1,5 +1,5 @@
 """`speedkv diagnose` (the layer-wise cutoff diagnostic) and `speedkv choose-lcut` (the
-smallest cutoff meeting a fidelity budget)."""
+smallest cutoff from which every deeper one meets a fidelity budget)."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ from typing import TYPE_CHECKING, Annotated
 
 import typer
 
-from speedkv.cli.common import dtype_without_native_decode, load, read_prompt_lines, set_threads
+from speedkv.cli.common import read_prompt_lines, set_threads
 from speedkv.cli.options import (
     Adapter,
     AsJson,
@@ -98,6 +98,7 @@ def diagnose_command(
     from speedkv.analysis.diagnose import default_prompts, diagnose
     from speedkv.analysis.diagnose_plots import write_figures
     from speedkv.core.engine import Engine
+    from speedkv.hf.build import ModelOptions, build_model
     from speedkv.hf.text import encode_prompt
 
     if max_new_tokens < 3:
@@ -106,7 +107,7 @@ def diagnose_command(
         )
     lines = read_prompt_lines(prompts_file) if prompts_file else None
     set_threads(threads)
-    loaded = load(model, dtype, device)
+    loaded = build_model(ModelOptions(model, dtype=dtype, device=device))
     shape = loaded.shape
     lcut = round(0.75 * shape.num_layers) if lcut is None else lcut
     if not 0 <= lcut < shape.num_layers:
@@ -220,11 +221,13 @@ def choose_lcut_command(
 ) -> None:
     """Choose SPEED's cutoff: measure fidelity against full attention (top-1 agreement,
     perplexity ratio, KL) at every candidate cutoff in one shared pass over calibration text,
-    and print the smallest cutoff meeting the budget with its expected TTFT / KV savings.
+    and print the smallest cutoff from which every deeper candidate meets the budget (a lucky
+low cutoff below a failing one is not trusted), with its expected TTFT / KV savings.
     With --adapter (a SPEED-aware LoRA from `speedkv train`), cutoffs run with it and are
     compared with the base model's full attention."""
     from speedkv.analysis.cutoff import calib_passages, parse_budget, parse_candidates
     from speedkv.core.registry import make_policy
+    from speedkv.hf.build import ModelOptions, build_model
     from speedkv.methods.speed import DEFAULT_DEEP, parse_anchors, resolve_anchors
 
     wanted = parse_budget(budget)
@@ -234,7 +237,7 @@ def choose_lcut_command(
     deep = DEFAULT_DEEP if deep is None else deep
     set_threads(threads)
     # the sweep runs transformers' own layers over every position, not speedkv's kernels
-    loaded = load(model, dtype_without_native_decode(dtype, device), device)
+    loaded = build_model(ModelOptions(model, dtype=dtype, device=device, native_decode=False))
     for path, other in zip(plot_with or [], earlier):
         if other.get("model") != loaded.name:
             raise UserError(f"{path} is a sweep of {other.get('model')}, not of {loaded.name}")
@@ -416,13 +419,14 @@ def calibrate_tsp_command(
     built-in prompts of --prompt-tokens, or on every line of --prompts-file."""
     from speedkv.analysis.calibrate import calibrate_tsp, default_prompts
     from speedkv.core.engine import Engine
+    from speedkv.hf.build import ModelOptions, build_model
     from speedkv.hf.text import encode_prompt
     from speedkv.methods.scoring import check_budget
 
     check_budget(tsp_rate, "tsp-rate")
     lines = read_prompt_lines(prompts_file) if prompts_file else None
     set_threads(threads)
-    loaded = load(model, dtype, device)
+    loaded = build_model(ModelOptions(model, dtype=dtype, device=device))
     if lines is not None:
         prompts = [encode_prompt(loaded.tokenizer, line).ids for line in lines]
     else:

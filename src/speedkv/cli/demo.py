@@ -11,7 +11,7 @@ from typing import Annotated
 import typer
 
 from speedkv.bench.memory import peak_rss_bytes, reset_peak_rss
-from speedkv.cli.common import load, set_threads
+from speedkv.cli.common import set_threads
 from speedkv.cli.options import (
     METHODS_HELP,
     Adapter,
@@ -165,8 +165,11 @@ def demo(
     """Ask one question about a long document with full attention and with SPEED (or any
     methods); print the answers and what each cost. With --adapter, the method it was trained
     for runs with it and full runs without."""
+    from speedkv.hf.build import ModelOptions, build_model
+
     set_threads(threads)
-    loaded = load(model, dtype, device, weights=weights, prepack=prepack)
+    options = ModelOptions(model, weights=weights, dtype=dtype, device=device, prepack=prepack)
+    loaded = build_model(options)
     adapted, trained_for = None, None
     if adapter is not None:  # the adapter's own method runs with it; full stays the base model
         from speedkv.hf.adapters import read_adapter_info
@@ -174,7 +177,7 @@ def demo(
         trained_for = read_adapter_info(adapter).get("method")
         # loaded like the base (adapter merged first, then weights and prepacking), so the
         # two differ only in the adapter
-        adapted = load(model, dtype, device, adapter, weights, prepack)
+        adapted = build_model(options.with_adapter(adapter))
     if methods is None:
         methods = [parse_spec(demo_method(model))]
     run_demo(loaded, methods, prompt_tokens, max_new_tokens, as_json, adapted, trained_for)

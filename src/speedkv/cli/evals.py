@@ -9,7 +9,7 @@ from typing import Annotated
 
 import typer
 
-from speedkv.cli.common import load, model_label, read_text_file, set_threads
+from speedkv.cli.common import read_text_file, set_threads
 from speedkv.cli.options import (
     Adapter,
     AsJson,
@@ -143,13 +143,15 @@ def eval_command(
     from speedkv.evals.report import markdown_tables
     from speedkv.evals.runner import EvalConfig, EvalRunner
     from speedkv.evals.tasks import parse_depths, parse_n, parse_tasks
+    from speedkv.hf.build import ModelOptions, build_model
     from speedkv.prompts.haystack import parse_split
 
     task_list = parse_tasks(tasks)
     if parse_split(split)[1] not in ("eval", "calib"):
         raise UserError(f"split must be eval or calib (of any corpus), got '{split}'")
+    options = ModelOptions(model, adapter, weights, dtype, device, prepack)
     config = EvalConfig(
-        model=model_label(model, weights),
+        model=options.label,
         methods=list(methods),
         tasks=task_list,
         lengths=list(lengths),
@@ -169,8 +171,10 @@ def eval_command(
     set_threads(threads)
     # decoded as generate and serve decode (prepacked by default), so quality is measured on
     # the kernels users run
-    evaluated = load(model, dtype, device, adapter, weights, prepack)
-    against = load(reference, dtype, device, prepack=prepack) if reference is not None else None
+    evaluated = build_model(options)
+    against = None
+    if reference is not None:
+        against = build_model(ModelOptions(reference, dtype=dtype, device=device, prepack=prepack))
     runner = EvalRunner(evaluated, config, out, against)
     result = runner.run(resume=resume, log=log)
     if as_json:

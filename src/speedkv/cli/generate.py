@@ -3,19 +3,11 @@
 from __future__ import annotations
 
 import json
-from pathlib import Path
-from typing import Annotated
+from typing import TYPE_CHECKING, Annotated
 
 import typer
 
-from speedkv.cli.common import (
-    bind,
-    dtype_without_native_decode,
-    load,
-    read_prompt,
-    set_threads,
-    vllm_model,
-)
+from speedkv.cli.common import bind, read_prompt, set_threads, vllm_model
 from speedkv.cli.options import (
     METHOD_HELP,
     Adapter,
@@ -39,6 +31,9 @@ from speedkv.cli.prefix import continue_saved
 from speedkv.core.registry import MethodSpec, parse_spec
 from speedkv.errors import UserError
 from speedkv.log import log
+
+if TYPE_CHECKING:
+    from speedkv.hf.build import ModelOptions
 
 commands = typer.Typer()
 
@@ -87,8 +82,10 @@ def generate(
     from speedkv.bench.memory import peak_rss_bytes, reset_peak_rss
     from speedkv.core.engine import Engine
     from speedkv.core.sampling import SamplingParams
+    from speedkv.hf.build import ModelOptions, build_model
 
     text = read_prompt(prompt, prompt_file)
+    options = ModelOptions(model, adapter, weights, dtype, device, prepack)
     sampling = SamplingParams(
         max_new_tokens=max_new_tokens,
         temperature=temperature,
@@ -102,13 +99,12 @@ def generate(
             raise UserError(
                 "--load and --weights are speedkv's own engine's; drop them with --backend vllm"
             )
-        generate_on_vllm(text, model, method, raw, sampling, adapter, dtype, as_json,
-                         vllm_arg or [])  # fmt: skip
+        generate_on_vllm(text, options, method, raw, sampling, as_json, vllm_arg or [])
         return
     if vllm_arg:
         raise UserError("--vllm-arg is for --backend vllm")
     set_threads(threads)
-    loaded = load(model, dtype, device, adapter, weights, prepack)
+    loaded = build_model(options)
     engine = Engine(loaded)
     if load_file is None:
         policy = bind(method or parse_spec("full"), loaded, adapter)
@@ -160,12 +156,10 @@ def generate(
 
 def generate_on_vllm(
     text: str,
-    model: str,
+    options: ModelOptions,
     method: MethodSpec | None,
     raw: bool,
     sampling,
-    adapter: Path | None,
-    dtype: str,
     as_json: bool,
     vllm_args: list[str],
 ) -> None:
@@ -181,21 +175,20 @@ def generate_on_vllm(
     )
 
     spec = str(method or "full")
-    directory = vllm_model(model, spec, adapter)
+    built = vllm_model(options, spec)
+    directory = built.directory
     quiet_vllm_logs()
     cpu_engine_defaults(1)  # GiB: room for one request
     ids = encode_prompt(load_tokenizer(directory), text, chat=not raw).ids
     log(f"starting vLLM on {directory.name}, method {spec}")
-    options = engine_kwargs(vllm_args)
-    with VllmEngine.open(
-        directory, spec, dtype=dtype_without_native_decode(dtype), **options
-    ) as engine:
+    engine_options = engine_kwargs(vllm_args)
+    with VllmEngine.open(directory, spec, dtype=built.dtype, **engine_options) as engine:
         log(f"{len(ids)} prompt tokens, method {spec}, {engine.dtype_name}, backend vllm")
         record = engine.generate([ids], sampling)[0]
         dtype_name = engine.dtype_name
     peak = peak_rss_bytes()
     if as_json:
-        print(json.dumps({"model": model, "dtype": dtype_name, **record,
+        print(json.dumps({"model": options.model, "dtype": dtype_name, **record,
                           "peak_rss_bytes": peak}))  # fmt: skip
         return
     print(record["text"])

@@ -45,7 +45,7 @@ def tune(as_json: AsJson = False) -> None:
     again after changing the machine's load, its threads or torch)."""
     from dataclasses import asdict
 
-    from speedkv.core.tuning import tune as measure
+    from speedkv.kernels.tuning import tune as measure
 
     choice = measure()
     if as_json:

@@ -9,7 +9,7 @@ from typing import TYPE_CHECKING, Annotated
 
 import typer
 
-from speedkv.cli.common import bind, load, read_prompt, set_threads
+from speedkv.cli.common import bind, read_prompt, set_threads
 from speedkv.cli.options import (
     Adapter,
     AsJson,
@@ -59,11 +59,12 @@ def prefill(
     file works only with the model, adapter and dtype that made it."""
     from speedkv.core.engine import Engine, check_reusable
     from speedkv.core.prefix_file import save_prefix
+    from speedkv.hf.build import ModelOptions, build_model
 
     check_reusable(method.cls)
     text = read_prompt(prompt, prompt_file)
     set_threads(threads)
-    loaded = load(model, dtype, device, adapter, weights)
+    loaded = build_model(ModelOptions(model, adapter, weights, dtype, device))
     policy = bind(method, loaded, adapter)
     engine = Engine(loaded)
     cached = engine.prefill(text, policy, chat=not raw)

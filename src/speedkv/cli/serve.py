@@ -3,12 +3,11 @@
 from __future__ import annotations
 
 import sys
-from pathlib import Path
-from typing import Annotated
+from typing import TYPE_CHECKING, Annotated
 
 import typer
 
-from speedkv.cli.common import bind, dtype_without_native_decode, load, set_threads, vllm_model
+from speedkv.cli.common import bind, set_threads, vllm_model
 from speedkv.cli.options import (
     Adapter,
     Backend,
@@ -25,6 +24,9 @@ from speedkv.cli.options import (
 from speedkv.core.registry import MethodSpec, parse_spec
 from speedkv.errors import UserError
 from speedkv.log import log as _log
+
+if TYPE_CHECKING:
+    from speedkv.hf.build import ModelOptions
 
 LOOPBACK = {"127.0.0.1", "localhost", "::1"}
 DefaultMethod = Annotated[
@@ -122,6 +124,7 @@ def serve(
     import uvicorn
 
     from speedkv.core.engine import Engine
+    from speedkv.hf.build import ModelOptions, build_model
     from speedkv.server.app import create_app
     from speedkv.server.config import ServerConfig
 
@@ -147,10 +150,11 @@ def serve(
     ).check()  # mistakes fail before the model loads
     if host not in LOOPBACK and not api_key:
         _log(f"warning: binding {host} without --api-key; anyone who can reach it may use it")
+    options = ModelOptions(model, adapter, weights, dtype, device, prepack)
     if backend == "vllm":
-        serve_on_vllm(model, method, adapter, dtype, host, port, api_key, vllm_arg or [])
+        serve_on_vllm(options, method, host, port, api_key, vllm_arg or [])
         return
-    loaded = load(model, dtype, device, adapter, weights, prepack)
+    loaded = build_model(options)
     config.model_name = loaded.name
     config.method = bind(method, loaded, adapter).spec()  # canonical, and checked on the model
     app_ = create_app(Engine(loaded), config)
@@ -163,10 +167,8 @@ def serve(
 
 
 def serve_on_vllm(
-    model: str,
+    options: ModelOptions,
     method: MethodSpec,
-    adapter: Path | None,
-    dtype: str,
     host: str,
     port: int,
     api_key: str | None,
@@ -178,9 +180,10 @@ def serve_on_vllm(
     from speedkv.vllm.offline import cpu_engine_defaults
     from speedkv.vllm.serve import check_serve_command, serve_command
 
-    directory = vllm_model(model, method.text, adapter)
-    dtype = dtype_without_native_decode(dtype)
-    argv = serve_command(directory, method.text, model, dtype, host, port, api_key, extra)
+    built = vllm_model(options, method.text)
+    model = options.model
+    argv = serve_command(built.directory, method.text, model, built.dtype, host, port, api_key,
+                         extra)  # fmt: skip
     cpu_engine_defaults(4)  # GiB: room for many requests
     check_serve_command(argv)  # what SPEED cannot run is refused here, not in vLLM's server
     _log(f"serving '{model}' with {method.text} on vLLM: {' '.join(argv[1:])}")

@@ -9,7 +9,7 @@ from typing import Annotated
 
 import typer
 
-from speedkv.cli.common import command_line, load, read_text_file, set_threads
+from speedkv.cli.common import command_line, read_text_file, set_threads
 from speedkv.cli.options import (
     AsJson,
     Device,
@@ -47,7 +47,7 @@ def _bf16_default(value: bool | None, device: str) -> bool:
         return value
     import torch
 
-    from speedkv.hf.loading import cpu_has_bf16_matmul
+    from speedkv.kernels.cpu import cpu_has_bf16_matmul
 
     return (device != "cpu" and torch.cuda.is_available()) or cpu_has_bf16_matmul()
 
@@ -317,6 +317,7 @@ def train_bench(
 ) -> None:
     """Tokens/s and peak memory of a SPEED training step against a full one on the same
     batch, LoRA or (--full) every weight."""
+    from speedkv.hf.build import ModelOptions, build_model
     from speedkv.train.data import DEFAULT_WEIGHTS, build_mix, tokenize_all
     from speedkv.train.forward import check_trainable, visibility_for
     from speedkv.train.stepbench import fixed_batch, measure_step_speed
@@ -331,7 +332,7 @@ def train_bench(
     if not 1 <= response_len < seq_len:
         raise UserError("--response-len must be at least 1 and shorter than --seq-len")
     set_threads(threads)
-    loaded = load(model, "float32", device)
+    loaded = build_model(ModelOptions(model, dtype="float32", device=device))
     # bound once; a cutoff the model does not have fails here; the same method twice runs once
     rules = list({v.spec: v for v in (visibility_for(m, loaded.shape) for m in wanted)}.values())
     if mix:

@@ -1,2 +1,2 @@
 """The engine: the method interface and registry, layer-major prefill, the layer-asymmetric
-KV cache, attention kernels, batched decode and sampling."""
+KV cache, batched decode and sampling (the kernels they run on are in speedkv.kernels)."""

@@ -17,7 +17,6 @@ from typing import Any, overload
 
 import torch
 
-from speedkv.core.attention import batch_decode_attention, native_decode_takes
 from speedkv.core.cache import KVCache, LayerKV
 from speedkv.core.flops import decode_flops, prefill_flops
 from speedkv.core.graph_decode import GraphDecode, why_not
@@ -26,12 +25,12 @@ from speedkv.core.prefill import Prefill, PrefillRun
 from speedkv.core.prefix import CachedPrefix, PrefixCache, common_prefix
 from speedkv.core.registry import MethodSpec, make_policy, method_class, method_names
 from speedkv.core.sampling import Sampler, SamplingParams
-from speedkv.core.tuning import FLOAT32, engine_kernels, kernel_choice
 from speedkv.errors import UserError
 from speedkv.hf import loading
-from speedkv.hf.fused import prefer_float32_products, use_tiles_above
 from speedkv.hf.loading import LoadedModel, wrap_model
 from speedkv.hf.text import Detokenizer, encode_messages, encode_prompt, find_stop
+from speedkv.kernels.attention import batch_decode_attention, native_decode_takes
+from speedkv.kernels.tuning import engine_config
 from speedkv.log import log
 
 # Prefill rows per chunk. On a CPU the weight products of longer chunks run faster (oneDNN
@@ -202,12 +201,7 @@ class Engine:
         self.eos_ids = model.eos_token_ids()
         self._companions: dict[str, Engine] = {}
         if self.device.type == "cpu":  # built now if need be, not in the first request's decode
-            model.backbone.native_ops = engine_kernels()
-            model.backbone.native_linear_rows = kernel_choice().decode_linear_native_rows
-            # a stored choice outlives a kernel whose library was since lost: use what loaded
-            tiles = kernel_choice().tiles_for_batches and hasattr(engine_kernels(), "tile_linear")
-            use_tiles_above(kernel_choice().decode_linear_native_rows if tiles else None)
-            prefer_float32_products(kernel_choice().prefill_linear == FLOAT32)
+            model.backbone.use_kernels(engine_config())
 
     @classmethod
     def from_hf(

@@ -36,13 +36,13 @@ from typing import Any, Protocol
 
 import torch
 
-from speedkv.core.attention import (
+from speedkv.core.cache import KVCache
+from speedkv.core.policy import Policy, decode_plan, own_cache_only
+from speedkv.kernels.attention import (
     flash_takes,
     live_flash_decode_attention,
     matmul_decode_attention,
 )
-from speedkv.core.cache import KVCache
-from speedkv.core.policy import Policy, decode_plan, own_cache_only
 from speedkv.log import log
 
 # Each layer's buffer is attended whole, so its width is a dimension of both matrix products.

@@ -19,10 +19,10 @@ from dataclasses import dataclass
 
 import torch
 
-from speedkv.core.attention import prefill_attention
 from speedkv.core.cache import KVCache, LayerKV
 from speedkv.core.policy import Policy, PromptInfo, Stream
 from speedkv.hf.backbone import Backbone, in_window
+from speedkv.kernels.attention import prefill_attention
 
 
 @dataclass

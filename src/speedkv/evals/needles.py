@@ -23,11 +23,17 @@ separators ignored) or, when it is a word (`vt`'s names), as a whole word (case 
 
 from __future__ import annotations
 
+import math
 import random
 import re
+import statistics
 import string
+import time
+from collections.abc import Iterator
 from dataclasses import dataclass
+from pathlib import Path
 
+from speedkv.errors import UserError
 from speedkv.evals.documents import (
     Fact,
     fit_message,
@@ -36,6 +42,8 @@ from speedkv.evals.documents import (
     plant_all,
     question_turn,
 )
+from speedkv.evals.render import cell, length_label, percent, pyplot, slug, wrap_spec
+from speedkv.evals.task import Column, Services, Table, Task, Unit, base_record
 from speedkv.hf.text import EncodedPrompt
 from speedkv.prompts.haystack import sentence_count
 
@@ -197,3 +205,191 @@ def found_values(answer: str, expected: list[str]) -> list[str]:
     numbers = set(re.findall(r"\d+", _THOUSANDS.sub("", answer)))
     words = {w.upper() for w in re.findall(r"[A-Za-z]+", answer)}
     return [e for e in expected if (e in numbers if e.isdigit() else e.upper() in words)]
+
+
+# -- the tasks ----------------------------------------------------------------------------------
+METHODOLOGY = """\
+Every prompt goes through the model's chat template with the question after the document;
+lengths are total prompt tokens (the essay text is trimmed word by word to fit, so prompts are
+at most the length and within a few tokens of it). The haystack is essay text of the chosen
+split from a sentence offset drawn from the seeded RNG; sample `i` uses the same needles and
+offset at every length and sits at needle depth `depths[i mod len(depths)]`.
+
+- **niah**: `There is an important piece of information hidden inside a lot of irrelevant
+  text. Find it and memorize it. I will quiz you about it.`, the essays with
+  `The pass key is 12345. Remember it. 12345 is the pass key.` planted between sentences, then
+  `What is the pass key? Answer with the number only.` (40 new tokens, as for multikey:
+  full answers in about 10, but a method may wrap the number in a longer sentence).
+- **niah_multikey**: four needles `The pass key for the garden is 12345. Remember it. 12345 is
+  the pass key for the garden.` with different things; one asked, `What is the pass key for
+  the garden? Answer with the number only.`. The asked needle is at the grid depth, the other
+  three at random depths.
+- **niah_multivalue**: four needles `One of the pass keys for the garden is 12345. Remember
+  it.`; `What are all the pass keys for the garden? Answer with the numbers only.`
+  (64 new tokens); all four must be given.
+- **vt**: `VAR ABCDE = 12345.`, then `VAR FGHIJ = VAR ABCDE.` and `VAR KLMNO = VAR FGHIJ.` later
+  in the text; `Which variables are assigned the value 12345, directly or through another
+  variable? Answer with the variable names only.` (64 new tokens); all three names must be
+  given.
+
+The multi-needle tasks open with the plural form of the instruction. The wording was chosen
+on the `calib` split (full attention, 6 samples at 1K and at 2K): the classic pass-key needle
+with its instruction line was retrieved every time, while RULER's "special magic number"
+phrasing and a bare "The secret number is N." each missed once at 2K, answering with a stray
+number from the essays. Scoring is exact match by containment, as in RULER:
+a sample is correct when every expected value appears in the greedy answer as a whole number
+(thousands separators ignored) or, for `vt`, as a whole word (case ignored). Every record in
+`results.json` keeps the prompt length, depth, planted sentences, expected values and the
+answer.
+"""
+ACCURACY = Table("exact-match accuracy", "score", percent)
+RECALL = Table("share of expected values in the answer (recall)", "recall", percent)
+
+
+class NeedleTask(Task):
+    """A needle task: every method answers the same sample's question; with --shared-prefill,
+    full and SPEED start from one full prefill of the prompt."""
+
+    methodology = METHODOLOGY
+
+    def __init__(
+        self,
+        name: str,
+        description: str,
+        default_samples: int,
+        headline: Column,
+        tables: tuple[Table, ...] = (ACCURACY,),
+    ):
+        self.name, self.description, self.default_samples = name, description, default_samples
+        self.max_new_tokens = MAX_NEW_TOKENS[name]
+        self.headline, self.tables_shown = headline, tables
+
+    def check_settings(self, ctx: Services) -> None:
+        depths = ctx.config.depths
+        if any(not 0.0 <= d <= 1.0 for d in depths) or not depths:
+            raise UserError(f"depths must be fractions between 0 and 1, got {depths}")
+
+    def validate(self, ctx: Services, length: int) -> None:
+        needed = 2 * shortest_prompt(ctx.model.tokenizer, self.name, ctx.config.question_turn)
+        if length < needed:
+            raise UserError(
+                f"length {length} is too short for task {self.name}: it needs at least "
+                f"{needed} tokens (half of them essay text)"
+            )
+        self.check_room(ctx, length, self.max_new_tokens)
+
+    def run(
+        self, ctx: Services, unit: Unit, methods: list[str], records: list[dict]
+    ) -> Iterator[dict]:
+        cfg = ctx.config
+        sample = build_sample(
+            ctx.model.tokenizer, unit.task, unit.length, unit.index, cfg.seed, cfg.depths,
+            cfg.split, cfg.question_turn,
+        )  # fmt: skip
+        shared, share_s = ctx.shared_prefixes(sample.prompt, methods)
+        for method in methods:
+            t0 = time.perf_counter() - (share_s if method in shared else 0.0)
+            g = ctx.generate(method, sample.prompt, self.max_new_tokens, shared.get(method))
+            found = found_values(g.text, sample.expected)
+            yield {
+                **base_record(method, unit, len(sample.prompt.ids)),
+                "depth": sample.depth,
+                "start": sample.start,
+                "expected": sample.expected,
+                "answer": g.text,
+                "found": found,
+                "correct": len(found) == len(sample.expected),
+                "score": float(len(found) == len(sample.expected)),
+                "recall": len(found) / len(sample.expected),
+                "output_tokens": len(g.output_ids),
+                "finish_reason": g.finish_reason,
+                "question": sample.question,
+                "facts": sample.facts,
+                "seconds": time.perf_counter() - t0,
+            }
+
+    def summarise(self, records: list[dict]) -> dict:
+        by_depth: dict[float, list[float]] = {}
+        for r in records:
+            by_depth.setdefault(r["depth"], []).append(r["score"])
+        return {
+            "recall": statistics.fmean(r["recall"] for r in records) if records else None,
+            "by_depth": {str(d): statistics.fmean(v) for d, v in sorted(by_depth.items())},
+        }
+
+    def miss(self, record: dict) -> tuple[list[str], str] | None:
+        return None if record["correct"] else (record["expected"], cell(record["answer"]))
+
+    def plot(self, result: dict, out: Path) -> list[Path]:
+        return plot_needles(result, out)
+
+
+NEEDLES = (
+    NeedleTask(
+        "niah", "single needle: a 5-digit pass key, asked back", 10, Column("score", "niah")
+    ),
+    NeedleTask(
+        "niah_multikey",
+        "four pass keys for four named things; one asked",
+        4,
+        Column("score", "multikey"),
+    ),
+    NeedleTask(
+        "niah_multivalue",
+        "four pass keys for one thing; all four asked",
+        3,
+        Column("recall", "multivalue recall"),
+        (ACCURACY, RECALL),
+    ),
+    NeedleTask(
+        "vt",
+        "variable tracking: a chain of three assignments; every variable holding the value",
+        3,
+        Column("recall", "vt recall"),
+        (ACCURACY, RECALL),
+    ),
+)
+
+
+def plot_needles(result: dict, out: Path) -> list[Path]:
+    """Per method, one PNG of depth x length accuracy heatmaps, a panel per needle task."""
+    rows = [r for r in result["summary"] if r["task"] in NEEDLE_TASKS]
+    if not rows:
+        return []
+    plt = pyplot()
+    tasks = list(dict.fromkeys(r["task"] for r in rows))
+    depths = sorted(
+        {float(d) for d in result["config"]["depths"]}
+        | {float(d) for r in rows for d in r["by_depth"]}
+    )
+    lengths = sorted({r["length"] for r in rows})
+    written = []
+    for method in dict.fromkeys(r["method"] for r in rows):
+        fig, axes = plt.subplots(
+            1, len(tasks), figsize=(1.6 + 1.5 * len(lengths) * len(tasks), 0.9 + 0.6 * len(depths))
+        )
+        axes = [axes] if len(tasks) == 1 else list(axes)
+        for ax, task in zip(axes, tasks):
+            cells = {
+                r["length"]: r["by_depth"]
+                for r in rows
+                if r["method"] == method and r["task"] == task
+            }
+            grid = [[cells.get(n, {}).get(str(d), math.nan) for n in lengths] for d in depths]
+            ax.imshow(grid, vmin=0, vmax=1, cmap="RdYlGn", aspect="auto")
+            for i, line in enumerate(grid):
+                for j, value in enumerate(line):
+                    label = "–" if math.isnan(value) else f"{100 * value:.0f}"
+                    ax.text(j, i, label, ha="center", va="center", fontsize=9)
+            ax.set_xticks(range(len(lengths)), [length_label(n) for n in lengths])
+            ax.set_yticks(range(len(depths)), [f"{d:g}" for d in depths])
+            ax.set_xlabel("prompt tokens")
+            ax.set_ylabel("needle depth")
+            ax.set_title(task, fontsize=10)
+        fig.suptitle(f"{wrap_spec(method, 100)}: accuracy %", fontsize=9)
+        fig.tight_layout()
+        path = out / f"heatmap_{slug(method)}.png"
+        fig.savefig(path, dpi=110)
+        plt.close(fig)
+        written.append(path)
+    return written

@@ -19,7 +19,9 @@ from __future__ import annotations
 
 import calendar
 import random
-from collections.abc import Callable
+import statistics
+import time
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
 from speedkv.core.engine import Engine, Request
@@ -28,7 +30,19 @@ from speedkv.core.sampling import SamplingParams
 from speedkv.errors import UserError
 from speedkv.evals.documents import Fact, document_turn, fit_message, minimum_length, plant_all
 from speedkv.evals.needles import INTRO_MANY, found_values, sample_rng
+from speedkv.evals.render import cell, percent, percent_or_refused
+from speedkv.evals.task import (
+    Column,
+    EvalConfig,
+    Services,
+    Table,
+    Task,
+    Timing,
+    Unit,
+    base_record,
+)
 from speedkv.hf.text import EncodedPrompt, encode_messages
+from speedkv.prompts.builders import QUESTION_ROOM
 from speedkv.prompts.haystack import sentence_count
 
 TASK = "reuse"
@@ -227,3 +241,94 @@ def _answer(mode: str, text: str, expected: list[str]) -> dict:
         f"{mode}_found": found,
         f"{mode}_correct": len(found) == len(expected),
     }
+
+
+# -- the task -----------------------------------------------------------------------------------
+class ReuseTask(Task):
+    """A method's records for one document come together, one per question: each asked fresh
+    and over the cached document."""
+
+    name = TASK
+    description = "four planted facts, each asked over one cached document and with a fresh prefill"
+    default_samples = 8  # documents; each asks QUESTIONS questions
+    max_new_tokens = MAX_NEW_TOKENS
+    records_per_run = QUESTIONS
+    tables_shown = (
+        Table(
+            "accuracy, each question with a fresh prefill of document + question",
+            "fresh",
+            percent,
+        ),
+        Table("accuracy, every question over one cached document", "reused", percent_or_refused),
+        Table(
+            "answers token for token the same, reused against fresh",
+            "identical",
+            percent_or_refused,
+        ),
+    )
+    headline = Column("reused", "reused")
+
+    def validate(self, ctx: Services, length: int) -> None:
+        needed = 2 * shortest_document(ctx.model.tokenizer)
+        if length < needed:
+            raise UserError(
+                f"length {length} is too short for task {self.name}: it needs at least "
+                f"{needed} tokens (half of them essay text)"
+            )
+        # the question's turn comes on top of the document's length
+        self.check_room(ctx, length, QUESTION_ROOM + self.max_new_tokens)
+
+    def run(
+        self, ctx: Services, unit: Unit, methods: list[str], records: list[dict]
+    ) -> Iterator[dict]:
+        cfg = ctx.config
+        quiz = build_quiz(ctx.model.tokenizer, unit.length, unit.index, cfg.seed, cfg.split)
+        for method in methods:
+            t0 = time.perf_counter()
+            answers = ask(ctx.engine, ctx.policies[method], quiz, self.max_new_tokens)
+            seconds = (time.perf_counter() - t0) / len(answers)
+            for answer in answers:
+                prompt_tokens = answer.pop("prompt_tokens")
+                yield {
+                    **base_record(method, unit, prompt_tokens),
+                    **answer,
+                    "score": float(answer["fresh_correct"]),  # reused: `reused_correct`
+                    "seconds": seconds,
+                }
+
+    def estimate_seconds(
+        self, unit: Unit, methods: list[str], config: EvalConfig, timing: Timing
+    ) -> float:
+        # the document's prefill and one per question, each question answered twice
+        per = timing.run_seconds(unit.length, self.max_new_tokens, QUESTIONS + 1, 2 * QUESTIONS)
+        return len(methods) * per
+
+    def summarise(self, records: list[dict]) -> dict:
+        return {
+            **summary(records),
+            "by_kind": {
+                kind: summary([r for r in records if r["kind"] == kind])
+                for kind in dict.fromkeys(r["kind"] for r in records)
+            },
+        }
+
+    def miss(self, record: dict) -> tuple[list[str], str] | None:
+        if record["fresh_correct"] and record["reused_correct"] is not False:
+            return None
+        reused = "refuses" if record["refused"] else cell(record["reused_answer"])
+        return record["expected"], f"fresh: {cell(record['fresh_answer'])}; reused: {reused}"
+
+
+def summary(records: list[dict]) -> dict:
+    """Accuracy fresh and reused, and how often the two answers are the same tokens; None
+    for what a method that refuses reuse does not have (or for no records)."""
+    reused = [r for r in records if r["refused"] is None]
+    return {
+        "fresh": statistics.fmean(r["fresh_correct"] for r in records) if records else None,
+        "reused": statistics.fmean(r["reused_correct"] for r in reused) if reused else None,
+        "identical": statistics.fmean(r["identical"] for r in reused) if reused else None,
+        "documents": len({r["sample"] for r in records}),
+    }
+
+
+REUSE = ReuseTask()

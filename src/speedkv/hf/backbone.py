@@ -22,28 +22,17 @@ from torch import nn
 
 from speedkv.errors import UserError
 from speedkv.hf import layer_work
-from speedkv.hf.fused import (
-    FusedProjection,
-    NativeOps,
-    apply_linear,
-    can_prepack,
-    linear_tensors,
-    prepacked,
-    tiles_for_rows,
-    tiles_take,
-)
+from speedkv.hf.fused import FusedProjection, linear_tensors
 from speedkv.hf.int8 import Int8Linear
 from speedkv.hf.layer_work import LayerDims, LayerTensors, apply_rope
+from speedkv.kernels.catalogue import ONE_CALL_OPERATORS
+from speedkv.kernels.config import TORCH_KERNELS, KernelConfig, NativeOps
+from speedkv.kernels.linear import apply_linear, can_prepack, prepacked, tiles_take
 
 SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
 # The families' RMSNorm classes, which all compute weight * (x / rms(x) in float32, rounded to
 # the input dtype); the decoder runs that as one fused kernel instead of the module's six ops.
 T5_STYLE_NORMS = ("LlamaRMSNorm", "MistralRMSNorm", "Qwen2RMSNorm", "Qwen3RMSNorm")
-# what `decode_layer` calls (core/csrc/decode_layer.cpp), besides the tile kernel for batches
-ONE_CALL_OPERATORS = (
-    "decode_layer", "rms_norm", "add_rms_norm", "silu_mul", "rotary_split", "packed_linear",
-    "decode_attention",
-)  # fmt: skip
 FINGERPRINT_SAMPLES = 1024  # values read from each parameter
 # config entries that say how the model was loaded or what it returns, not what it computes
 NOT_FINGERPRINTED = {
@@ -227,14 +216,27 @@ class Backbone:
         self._dims = decode_dims(self.config, self.shape)
         self.prepacked = False
         self._packed_head: tuple[torch.Tensor | None, ...] | None = None
-        # speedkv's native CPU operations (torch.ops.speedkv), when the engine found them
-        self.native_ops: NativeOps = None
-        # decode batches of more rows than this run the plain weights (oneDNN) instead of the
-        # prepacked copy: the engine sets it from the measured kernel choice
-        self.native_linear_rows = 1 << 30
+        # the kernels the engine chose (its native operations, which decode batches run on
+        # the prepacked copy, when products run in float32): handed over by `use_kernels`
+        self.kernels: KernelConfig = TORCH_KERNELS
         self._tiles_take_all = False  # every packed copy is one the tile kernel takes
         # every layer's weights as `decode_layer` takes them, where all are packed by speedkv
         self._native_layers: list[tuple[list, list]] | None = None
+
+    def use_kernels(self, kernels: KernelConfig) -> None:
+        """Run on the kernels the engine chose (kernels/tuning.py's `engine_config`)."""
+        self.kernels = kernels
+
+    @property
+    def native_ops(self) -> NativeOps:
+        """speedkv's native CPU operations (torch.ops.speedkv) the engine uses, or None."""
+        return self.kernels.ops
+
+    @property
+    def native_linear_rows(self) -> int:
+        """Decode batches of more rows than this run the plain weights (oneDNN) instead of the
+        prepacked copy, unless the tile kernel takes them (`tile_batches`)."""
+        return self.kernels.native_linear_rows
 
     # -- basic facts --------------------------------------------------------------------------
     @property
@@ -318,7 +320,7 @@ class Backbone:
         """LM head over (already normed) hidden states, in float32 for sampling."""
         head = self._packed_head
         if head is not None and (h.shape[0] <= self.native_linear_rows or self._tiles_for(head)):
-            return apply_linear(h, self._packed_head).float()
+            return apply_linear(h, self._packed_head, self.kernels).float()
         return self._lm_head(h).float()
 
     # -- one decoder layer, in parts -------------------------------------------------------
@@ -331,7 +333,7 @@ class Backbone:
         """Post-rotary q [..., Hq, n, D] and k, v [..., Hkv, n, D] of normed input x [..., n, H]."""
         attn = self.layers[layer].self_attn
         qkv, _ = self._projections(layer)
-        q, k, v = (self._heads(t) for t in qkv(x).split(qkv.sizes, dim=-1))
+        q, k, v = (self._heads(t) for t in qkv(x, self.kernels).split(qkv.sizes, dim=-1))
         if hasattr(attn, "q_norm"):  # Qwen3 normalises q and k per head before rotary
             q = attn.q_norm(q.transpose(-3, -2)).transpose(-3, -2)
             k = attn.k_norm(k.transpose(-3, -2)).transpose(-3, -2)
@@ -365,7 +367,9 @@ class Backbone:
         """h + MLP(post_attention_layernorm(h))."""
         block = self.layers[layer]
         _, gate_up = self._projections(layer)
-        gate, up = gate_up(rms_norm(block.post_attention_layernorm, h)).split(gate_up.sizes, -1)
+        gate, up = gate_up(rms_norm(block.post_attention_layernorm, h), self.kernels).split(
+            gate_up.sizes, -1
+        )
         return h + block.mlp.down_proj(block.mlp.act_fn(gate) * up)
 
     # -- a layer's dense work for decode tokens and prefill chunks (see layer_work.py) --------
@@ -383,7 +387,7 @@ class Backbone:
         weights = self._layer_weights(layer, prefill, h.shape[0])
         if weights is None:
             return self.qkv(layer, self.input_norm(layer, h), cos, sin)
-        return layer_work.before_attention(h, weights, cos, sin, self._dims, self.native_ops)
+        return layer_work.before_attention(h, weights, cos, sin, self._dims, self.kernels)
 
     def after_attention(
         self, layer: int, h: torch.Tensor, o: torch.Tensor, prefill: bool = False
@@ -392,7 +396,7 @@ class Backbone:
         weights = self._layer_weights(layer, prefill, h.shape[0])
         if weights is None:
             return self.mlp_block(layer, h + self.attn_out(layer, o))
-        return layer_work.after_attention(h, o, weights, self._dims, self.native_ops)
+        return layer_work.after_attention(h, o, weights, self._dims, self.kernels)
 
     def _layer_weights(self, layer: int, prefill: bool, rows: int = 1) -> LayerTensors | None:
         if prefill or not self._on_packed(rows):
@@ -403,9 +407,9 @@ class Backbone:
     @property
     def tile_batches(self) -> bool:
         """Whether decode batches above `native_linear_rows` run on the packed copy too (the
-        AMX tile kernel: `fused.use_tiles_above`, which the engine sets from the measured
-        choice), rather than on the plain weights."""
-        return tiles_for_rows(self.native_linear_rows + 1)
+        AMX tile kernel, where the engine's measured choice says so), rather than on the plain
+        weights."""
+        return self.kernels.tiles_for_rows(self.native_linear_rows + 1)
 
     def _on_packed(self, rows: int) -> bool:
         """Whether a decode batch of `rows` uses the packed copies (see `tile_batches`)."""
@@ -416,7 +420,7 @@ class Backbone:
         (`decode_layer`): every layer's products are on speedkv's packed copies for this many
         rows, and every operator the call makes was built here and chosen."""
         ops = self.native_ops
-        tiles = tiles_for_rows(rows)
+        tiles = self.kernels.tiles_for_rows(rows)
         return (
             ops is not None
             and all(hasattr(ops, name) for name in ONE_CALL_OPERATORS)
@@ -438,7 +442,7 @@ class Backbone:
         key, value and position written into its cache buffers at its live length, in one
         native call (see layer_work.decode_layer; only where `layers_in_one_call`)."""
         args = self._native_layers[layer]  # type: ignore[index]
-        tiles = tiles_for_rows(h.shape[0])
+        tiles = self.kernels.tiles_for_rows(h.shape[0])
         return layer_work.decode_layer(
             h, args, cos, sin, self._dims, self.native_ops, caches, positions, tiles
         )
@@ -503,7 +507,7 @@ class Backbone:
 
     def prepack_decode(self, enabled: bool = True) -> None:
         """Decode with a copy of every linear weight, the LM head included, packed for one-row
-        products (see fused.prepacked: speedkv's kernel for bfloat16 and int8 weights where
+        products (see kernels.linear.prepacked: speedkv's kernel for bfloat16 and int8 weights where
         the engine found it, else oneDNN's layout for float weights), or with the weights as
         they are (prefill always uses those). CPUs only; anywhere else this changes
         nothing."""

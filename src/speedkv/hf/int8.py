@@ -1,12 +1,7 @@
 """Weight-only int8: every linear layer of the decoder and the LM head keeps its weight as int8
 with one scale per output row (symmetric, absmax / 127); activations stay in the model's dtype.
-
-A batch-1 decode step only reads weights, so halving their bytes is what speeds it up: on this
-project's 2-core CPU, torch's `_weight_int8pack_mm` runs SmolLM2's 211 matrix-vector products
-about 2.6x faster than bfloat16 ones. The same kernel is slower than a bfloat16 GEMM once more
-than a few rows go in (equal at 8, 3x slower at 256), so larger inputs (prefill chunks, wide
-batches) dequantize the layer's weight and run an ordinary matmul: the same numbers, the
-fast kernel for each shape. Off the CPU the dequantized path is always taken.
+The products run in kernels/int8.py: torch's int8 kernel for a decode step's few rows on a CPU,
+an ordinary matmul with the dequantized weight for larger inputs and off the CPU.
 """
 
 from __future__ import annotations
@@ -14,14 +9,12 @@ from __future__ import annotations
 import copy
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from speedkv.errors import UserError
+from speedkv.kernels.int8 import dequantize, int8_linear
 
 WEIGHTS = ("native", "int8")  # how a loaded model may keep its linear weights
-# Rows up to which the int8 kernel beats dequantize + matmul (measured here: equal at 8).
-KERNEL_MAX_ROWS = 4
 
 
 class Int8Linear(nn.Module):
@@ -51,25 +44,6 @@ class Int8Linear(nn.Module):
 
     def extra_repr(self) -> str:
         return f"in_features={self.in_features}, out_features={self.out_features}, int8"
-
-
-def int8_linear(
-    x: torch.Tensor, rows: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None
-) -> torch.Tensor:
-    """x @ (rows * scale).T + bias: the int8 kernel for a few input rows on a CPU, else a
-    matmul with the dequantized weight."""
-    flat = x.reshape(-1, x.shape[-1])
-    if flat.shape[0] <= KERNEL_MAX_ROWS and x.device.type == "cpu":
-        scale = scale if scale.dtype == x.dtype else scale.to(x.dtype)
-        out = torch.ops.aten._weight_int8pack_mm(flat.contiguous(), rows, scale)
-        out = out.reshape(*x.shape[:-1], rows.shape[0])
-        return out if bias is None else out + bias
-    return F.linear(x, dequantize(rows, scale, x.dtype), bias)
-
-
-def dequantize(rows: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """The weight int8 `rows` times their per-row `scale` stand for, in `dtype`."""
-    return rows.to(dtype) * scale.to(dtype)[:, None]
 
 
 def quantize_model(model: nn.Module) -> nn.Module:

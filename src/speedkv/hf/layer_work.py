@@ -4,14 +4,15 @@ for a prefill chunk's rows.
 Everything a token does in a layer besides attention -- norm, q/k/v projection, rotary,
 output projection, residual, norm, MLP, residual -- is the same computation in every layer
 with other weights. These functions take the weights as plain tensors (fused q/k/v and
-gate/up; for decode optionally prepacked for one-row products: see fused.py), so a layer runs
-a few large operations instead of the model's modules, one by one.
+gate/up; for decode optionally prepacked for one-row products: see kernels/linear.py), so a
+layer runs a few large operations instead of the model's modules, one by one.
 
 A layer runs through here only when every piece is a plain tensor operation: frozen plain or
 int8 linear layers, the families' RMSNorm, SiLU, no per-head q/k norms. Otherwise the backbone
 runs the model's own modules (see `Backbone.decode_weights`).
 
-Given `ops` (speedkv's native CPU operations, which the engine hands the backbone), the small
+Given `kernels` (the engine's kernel configuration, which the backbone passes in) with native
+operations, the small
 steps -- norm, residual add and norm, rotary and the split into heads, SiLU times up -- are one
 call each instead of a dozen, with the same roundings. Where every piece of a decode step's
 layer is native, the whole layer, attention and the cache write included, is one call
@@ -25,7 +26,9 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from speedkv.hf.fused import NativeOps, apply_linear
+from speedkv.kernels.config import TORCH_KERNELS, KernelConfig, NativeOps
+from speedkv.kernels.layer_ops import rms_norm
+from speedkv.kernels.linear import apply_linear
 
 Linear = tuple[torch.Tensor | None, ...]  # (weight, bias) or int8 (rows, scale, bias)
 
@@ -65,12 +68,6 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
     return x * cos + rotate_half(x) * sin
 
 
-def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    """weight * (x / rms(x)), computed in float32 and rounded to x's dtype before the weight,
-    as the Llama-family RMSNorm modules do."""
-    return weight * F.rms_norm(x.float(), (x.shape[-1],), eps=eps).to(x.dtype)
-
-
 def heads(x: torch.Tensor, head_dim: int) -> torch.Tensor:
     """[..., n, heads*D] -> [..., heads, n, D]."""
     return x.unflatten(-1, (-1, head_dim)).transpose(-3, -2)
@@ -97,11 +94,12 @@ def before_attention(
     cos: torch.Tensor,
     sin: torch.Tensor,
     dims: LayerDims,
-    ops: NativeOps = None,
+    kernels: KernelConfig = TORCH_KERNELS,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Post-rotary q [..., Hq, n, D] and k, v [..., Hkv, n, D] of the residual h [..., n, H]."""
+    ops = kernels.ops
     if native_rows(h, weights.input_norm, ops):
-        qkv = apply_linear(ops.rms_norm(h, weights.input_norm, dims.eps), weights.qkv)
+        qkv = apply_linear(ops.rms_norm(h, weights.input_norm, dims.eps), weights.qkv, kernels)
         q_heads, kv_heads = (size // dims.head_dim for size in dims.qkv_sizes[:2])
         rows = qkv.view(-1, 1, qkv.shape[-1])  # one token a row, decode or prefill
         q, k, v = ops.rotary_split(rows, cos, sin, q_heads, kv_heads)  # [rows, heads, 1, D]
@@ -109,7 +107,7 @@ def before_attention(
             q, k, v = (t.squeeze(2).transpose(0, 1) for t in (q, k, v))
         return q, k, v
     x = rms_norm(h, weights.input_norm, dims.eps)
-    q, k, v = apply_linear(x, weights.qkv).split(dims.qkv_sizes, dim=-1)
+    q, k, v = apply_linear(x, weights.qkv, kernels).split(dims.qkv_sizes, dim=-1)
     q, k, v = heads(q, dims.head_dim), heads(k, dims.head_dim), heads(v, dims.head_dim)
     return apply_rope(q, cos, sin), apply_rope(k, cos, sin), v
 
@@ -119,18 +117,20 @@ def after_attention(
     o: torch.Tensor,
     weights: LayerTensors,
     dims: LayerDims,
-    ops: NativeOps = None,
+    kernels: KernelConfig = TORCH_KERNELS,
 ) -> torch.Tensor:
     """The residual leaving the layer, from the one entering it (h [..., n, H]) and the
     attention output o [..., Hq, n, D]."""
+    ops = kernels.ops
     if native_rows(h, weights.post_norm, ops):
-        attended = apply_linear(o.transpose(-3, -2).flatten(-2), weights.o)
+        attended = apply_linear(o.transpose(-3, -2).flatten(-2), weights.o, kernels)
         h, x = ops.add_rms_norm(h, attended, weights.post_norm, dims.eps)
-        return h + apply_linear(ops.silu_mul(apply_linear(x, weights.gate_up)), weights.down)
-    h = h + apply_linear(o.transpose(-3, -2).flatten(-2), weights.o)
+        up = ops.silu_mul(apply_linear(x, weights.gate_up, kernels))
+        return h + apply_linear(up, weights.down, kernels)
+    h = h + apply_linear(o.transpose(-3, -2).flatten(-2), weights.o, kernels)
     x = rms_norm(h, weights.post_norm, dims.eps)
-    gate, up = apply_linear(x, weights.gate_up).split(dims.intermediate, dim=-1)
-    return h + apply_linear(F.silu(gate) * up, weights.down)
+    gate, up = apply_linear(x, weights.gate_up, kernels).split(dims.intermediate, dim=-1)
+    return h + apply_linear(F.silu(gate) * up, weights.down, kernels)
 
 
 def native_layer_args(
@@ -157,7 +157,7 @@ def decode_layer(
     token_positions: list[int],
     tiles: bool,
 ) -> torch.Tensor:
-    """A decode step's whole layer in one native call (core/csrc/decode_layer.cpp): what
+    """A decode step's whole layer in one native call (kernels/csrc/decode_layer.cpp): what
     `before_attention`, writing each sequence's new key and value, the native decode
     attention and `after_attention` compute, bit for bit. h: [B, 1, H]; `args` from
     `native_layer_args`; `caches`: each sequence's key, value and position buffers of this

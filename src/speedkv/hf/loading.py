@@ -33,8 +33,10 @@ from speedkv.errors import UserError
 from speedkv.hf.backbone import SUPPORTED_MODEL_TYPES, Backbone, ModelShape, check_supported
 from speedkv.hf.int8 import check_weights, quantize_model
 from speedkv.hf.text import starts_with_bos
+from speedkv.kernels import cpu
 from speedkv.locks import exclusive
 from speedkv.log import log
+from speedkv.paths import cache_dir
 
 DEFAULT_MODEL = "smollm2-135m"
 CONVERSION_LOCK_TIMEOUT = 1800.0  # seconds; converting the largest embedded model takes minutes
@@ -154,10 +156,6 @@ def dtype_name(dtype: torch.dtype) -> str:
     return str(dtype).removeprefix("torch.")
 
 
-def cache_dir() -> Path:
-    return Path(os.environ.get("SPEEDKV_CACHE", Path.home() / ".cache" / "speedkv"))
-
-
 def cache_usage() -> tuple[Path, int]:
     """The cache folder and the bytes its files take (converted models, merged adapters, built
     kernels, RULER samples)."""
@@ -190,46 +188,8 @@ def resolve_dtype(
         raise UserError(f"dtype must be auto, float32 or bfloat16, got '{dtype}'")
     if device.type == "cuda":
         return torch.bfloat16
-    natively = native_decode and cpu_decodes_bf16_natively()
-    return torch.bfloat16 if cpu_has_bf16_matmul() or natively else torch.float32
-
-
-def cpu_info() -> tuple[dict[str, str], set[str]]:
-    """/proc/cpuinfo's first value of each key (the first CPU's), and its ISA flags (x86's
-    `flags`, arm64's `Features`); empty where there is none."""
-    facts: dict[str, str] = {}
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            key, _, value = (part.strip() for part in line.partition(":"))
-            facts.setdefault(key, value)
-    except OSError:
-        pass
-    return facts, set((facts.get("flags") or facts.get("Features") or "").split())
-
-
-def _cpu_flags() -> set[str]:
-    return cpu_info()[1]
-
-
-def cpu_has_bf16_matmul() -> bool:
-    """AMX or AVX512-BF16: the CPU instructions that make bf16 matmuls faster than float32."""
-    return bool({"amx_bf16", "avx512_bf16"} & _cpu_flags())
-
-
-# speedkv's switch for its native kernels (core/native.py's; here for `auto`'s dtype)
-KERNELS_SWITCH = "SPEEDKV_KERNELS"
-
-
-def cpu_decodes_bf16_natively() -> bool:
-    """An x86 CPU with AVX2 and FMA where speedkv's decode kernel can be built (a C++
-    compiler, native kernels not switched off). There bfloat16 weights decode 3x faster than
-    float32 ones (speedkv's kernel reads half the bytes) while a prefill's products run in
-    float32 either way, so `auto` loads bfloat16 (docs/engine.md); on torch's kernels alone
-    bfloat16 would decode slower than float32."""
-    if os.environ.get(KERNELS_SWITCH, "auto").lower() == "torch":
-        return False
-    compiler = shutil.which(os.environ.get("CXX", "c++"))
-    return compiler is not None and {"avx2", "fma"} <= _cpu_flags()
+    natively = native_decode and cpu.cpu_decodes_bf16_natively()
+    return torch.bfloat16 if cpu.cpu_has_bf16_matmul() or natively else torch.float32
 
 
 def resolve_device(device: str | torch.device = "auto") -> torch.device:

@@ -14,10 +14,11 @@
 - `settings.py`: SPEED's settings as vLLM carries them, and how vLLM groups the layers,
 - `guards.py`: requests SPEED cannot answer (prompt logprobs) get a clear error,
 - `offline.py`: speedkv's generate and bench records from `vllm.LLM`,
+- `timing.py`: how a request's TTFT and TPOT are read from vLLM (bench and the benchmarks),
 - `serve.py`: the `vllm serve` command line that runs a method.
 
-`args.py`, `compact.py`, `metadata.py`, `settings.py` and `support.py` import without vLLM
-installed; the others need it.
+`args.py`, `compact.py`, `metadata.py`, `settings.py`, `support.py` and `timing.py` import
+without vLLM installed; the others need it.
 """
 
 from speedkv.vllm.args import engine_args, require_vllm

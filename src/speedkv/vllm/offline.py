@@ -17,6 +17,7 @@ from speedkv.hf.backbone import ModelShape
 from speedkv.vllm.args import engine_args, model_shape, require_vllm
 from speedkv.vllm.compact import full_depth_count
 from speedkv.vllm.settings import SpeedSettings
+from speedkv.vllm.timing import request_times
 
 
 def cpu_engine_defaults(kv_gib: int) -> None:
@@ -158,12 +159,10 @@ class VllmEngine:
 
     def _record(self, output) -> dict:
         completion = output.outputs[0]
-        stats = output.metrics
         new = len(completion.token_ids)
-        ttft = float(stats.first_token_latency) if stats else math.nan
-        tpot = 0.0
-        if stats and new > 1:
-            tpot = (stats.last_token_ts - stats.first_token_ts) / (new - 1)
+        times = request_times(output)  # as every benchmark of vLLM times it
+        ttft = times.ttft_s if times else math.nan
+        tpot = (times.tpot_s or 0.0) if times else 0.0
         prompt = len(output.prompt_token_ids)
         return {
             "backend": "vllm",
