@@ -14,7 +14,9 @@ import argparse
 import json
 import statistics
 
-from speedkv.evals import leaderboard, ruler
+from speedkv.evals import ruler
+from speedkv.leaderboard.rows import Row
+from speedkv.leaderboard.tables import difference
 
 
 def per_sample(path: str, method: str) -> dict[tuple[str, int], float]:
@@ -27,9 +29,9 @@ def per_sample(path: str, method: str) -> dict[tuple[str, int], float]:
     return scores
 
 
-def as_row(scores: dict[tuple[str, int], float]) -> leaderboard.Row:
+def as_row(scores: dict[tuple[str, int], float]) -> Row:
     by_task = {t: [v for (task, _), v in scores.items() if task == t] for t in ruler.TASKS}
-    return leaderboard.Row(
+    return Row(
         method="",
         engine="speedkv",
         adapter=None,
@@ -64,7 +66,7 @@ def main() -> None:
         ("trained SPEED", "untrained SPEED"),
         ("trained full", "untrained full"),
     ):
-        gap, margin, paired = leaderboard.difference(rows[a], rows[b])
+        gap, margin, paired = difference(rows[a], rows[b])
         print(f"{a} - {b}: {100 * gap:+.1f} ± {100 * margin:.1f}{' (paired)' if paired else ''}")
 
 
