@@ -1,4 +1,5 @@
-"""Shared fixtures: tiny random Llama- and Qwen2-shaped models, and one real SmolLM2 instance."""
+"""Shared fixtures: tiny random Llama-, Qwen2-, Mistral- and Gemma 3-shaped models, and one real
+SmolLM2 instance."""
 
 from __future__ import annotations
 
@@ -10,6 +11,8 @@ from pathlib import Path
 import pytest
 import torch
 from transformers import (
+    Gemma3ForCausalLM,
+    Gemma3TextConfig,
     LlamaConfig,
     LlamaForCausalLM,
     MistralConfig,
@@ -28,7 +31,29 @@ TINY_FAMILIES = {
     "llama": (LlamaConfig, LlamaForCausalLM),
     "qwen2": (Qwen2Config, Qwen2ForCausalLM),
     "mistral": (MistralConfig, MistralForCausalLM),
+    "gemma3_text": (Gemma3TextConfig, Gemma3ForCausalLM),
 }
+# what a family's tiny model gets before the caller's settings. Gemma 3: its head size must be
+# given (the default is 256); an attention scale that is not 1/sqrt(head_dim); local layers
+# with a 16-token window around each global one (which the equivalence tests' prompts of up to
+# 90 tokens cross), each type with its own rotary base (transformers' defaults, 10K and 1M);
+# a wider init and an untied head, without which its greedy choice mostly repeats one token
+# (tied embeddings are tested on their own: tests/unit/test_gemma3.py)
+TINY_SETTINGS = {
+    "gemma3_text": dict(
+        head_dim=16,
+        query_pre_attn_scalar=24,
+        sliding_window=16,
+        layer_types=["sliding_attention", "sliding_attention", "full_attention"] * 2,
+        initializer_range=0.05,
+        tie_word_embeddings=False,
+    ),
+}
+# the families the shared `tiny` fixture runs each test that takes it on; a test module may
+# name its own list as `TINY_PARAMS`: the engine, method, batch and kv_bytes checks take
+# EQUIVALENCE_PARAMS, which adds Gemma 3 (its windows and layer shape through the same checks)
+TINY_PARAMS = ("llama", "qwen2")
+EQUIVALENCE_PARAMS = (*TINY_PARAMS, "gemma3_text")
 
 # the vLLM backend's tests need vLLM, which lives in its own venv (make vllm-venv)
 collect_ignore = [] if importlib.util.find_spec("vllm") else ["vllm_backend"]
@@ -140,20 +165,31 @@ def device(request) -> torch.device:
 def tiny_model(
     family: str, seed: int = 0, device: torch.device | str = "cpu", **config
 ) -> LoadedModel:
-    """A tiny random model; `config` overrides TINY's entries."""
+    """A tiny random model; `config` overrides TINY's and TINY_SETTINGS' entries."""
     torch.manual_seed(seed)
     config_class, model_class = TINY_FAMILIES[family]
-    hf = model_class(config_class(**{**TINY, **config}))
+    hf = model_class(config_class(**{**TINY, **TINY_SETTINGS.get(family, {}), **config}))
     hf.eval().requires_grad_(False)
     # Random init is too flat to discriminate tokens; scale it so greedy choices are decisive.
     with torch.no_grad():
         for p in hf.parameters():
             p.mul_(3.0)
+        if family == "gemma3_text":  # its norms start at 0 (they scale by 1 + weight)
+            for name, p in hf.named_parameters():
+                if name.endswith("norm.weight"):
+                    p.normal_(0.0, 0.3)
     return LoadedModel(name=f"tiny-{family}", hf_model=hf.to(device), tokenizer=None,
                        source="memory")  # fmt: skip
 
 
-@pytest.fixture(scope="session", params=["llama", "qwen2"])
+def pytest_generate_tests(metafunc) -> None:
+    # the shared tiny model, once a session per family, for the families the module names
+    if "tiny" in metafunc.fixturenames:
+        families = getattr(metafunc.module, "TINY_PARAMS", TINY_PARAMS)
+        metafunc.parametrize("tiny", families, indirect=True, scope="session")
+
+
+@pytest.fixture(scope="session")
 def tiny(request, device) -> Iterator[LoadedModel]:
     model = tiny_model(request.param, device=device)
     yield model

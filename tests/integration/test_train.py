@@ -371,8 +371,9 @@ def test_user_jsonl_is_validated_line_by_line(tmp_path):
 
 
 # -- adapters ---------------------------------------------------------------------------------
-def test_adapter_method_mismatch_warns_and_shape_mismatch_refuses(tiny, tmp_path):
-    from speedkv.cli.common import method_mismatch
+def test_adapter_method_mismatch_warns_and_shape_mismatch_refuses(tiny, tmp_path, capsys):
+    from speedkv.cli.common import bind
+    from speedkv.core.registry import parse_spec
     from speedkv.hf.adapters import INFO_NAME, apply_adapter, read_adapter_info
 
     lora_copy(tiny).save(tmp_path)
@@ -380,12 +381,13 @@ def test_adapter_method_mismatch_warns_and_shape_mismatch_refuses(tiny, tmp_path
     record = {"method": spec, "model_shape": {"num_layers": tiny.shape.num_layers}}
     (tmp_path / INFO_NAME).write_text(json.dumps(record))
     assert read_adapter_info(tmp_path)["method"] == spec
-    info = read_adapter_info(tmp_path)
-    shorter = make_policy("speed:lcut=3,deep=1", tiny.shape)
-    assert method_mismatch(info, shorter) is None  # the same, spelt shorter
-    full = make_policy("full", tiny.shape)
-    assert f"trained for '{spec}' but runs with 'full'" in method_mismatch(info, full)
     merged = apply_adapter(tiny, tmp_path)
+    assert merged.trained_method == spec
+    assert bind(parse_spec("speed:lcut=3,deep=1"), merged).spec() == spec  # spelt shorter
+    assert "warning" not in capsys.readouterr().err
+    assert bind(parse_spec("speed"), merged).spec() == spec  # what it leaves unset: trained
+    assert bind(parse_spec("full"), merged).spec() == "full"
+    assert f"trained for '{spec}' but runs with 'full'" in capsys.readouterr().err
     assert merged.hf_model is not tiny.hf_model
     assert not merged.backbone.prepacked
     tiny.backbone.prepack_decode(True)

@@ -4,7 +4,9 @@ from speedkv.core.engine import Request
 from speedkv.core.registry import make_policy
 from speedkv.core.sampling import SamplingParams
 
-from conftest import random_prompt
+from conftest import EQUIVALENCE_PARAMS, random_prompt
+
+TINY_PARAMS = EQUIVALENCE_PARAMS  # the shared tiny models, Gemma 3 included
 
 
 def requests(shape, sampling_for):

@@ -11,8 +11,10 @@ from speedkv.core.engine import Request
 from speedkv.core.registry import make_policy
 from speedkv.core.sampling import SamplingParams
 
-from conftest import random_prompt
+from conftest import EQUIVALENCE_PARAMS, random_prompt
 from helpers import greedy_with_logits, hf_generate
+
+TINY_PARAMS = EQUIVALENCE_PARAMS  # the shared tiny models, Gemma 3 included
 
 
 @pytest.mark.parametrize("n", [1, 37, 70])

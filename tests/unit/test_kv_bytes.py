@@ -7,7 +7,9 @@ from speedkv.core.engine import Engine, Request
 from speedkv.core.registry import make_policy
 from speedkv.core.sampling import SamplingParams
 
-from conftest import random_prompt, tiny_model
+from conftest import EQUIVALENCE_PARAMS, random_prompt, tiny_model
+
+TINY_PARAMS = EQUIVALENCE_PARAMS  # the shared tiny models, Gemma 3 included
 
 
 def analytic(L, lcut, N, A, D, g, per_token_layer):
@@ -54,20 +56,33 @@ def test_selfonly_keeps_only_anchors_in_upper_layers(tiny, tiny_engine):
 
 
 def test_prefill_work_counts_and_flops(tiny, tiny_engine):
+    """Rows and query-key pairs each layer computes, and the FLOPs counted from them; in a
+    layer with a sliding window (Gemma 3's local layers) a query pairs only with the keys
+    inside its window."""
     from speedkv.core.flops import head_flops, layer_weights, pair_flops
 
     N, L = 33, tiny.shape.num_layers
+    windows = [tiny.shape.window(layer) for layer in range(L)]
+
+    def sees(t, layer, k=None):  # keys a query at t pairs with: all of 0..t, or key k alone
+        w = windows[layer]
+        if k is not None:
+            return int(w is None or t - k < w)
+        return t + 1 if w is None else min(t + 1, w)
+
     full = tiny_engine.prefill_ids(random_prompt(N), make_policy("full", tiny.shape))
-    assert full.rows == [N] * L and full.pairs == [N * (N + 1) // 2] * L
+    full_pairs = [sum(sees(t, layer) for t in range(N)) for layer in range(L)]
+    assert full.rows == [N] * L and full.pairs == full_pairs
     speed = tiny_engine.prefill_ids(
         random_prompt(N), make_policy("speed:lcut=4,anchors=bos,deep=1", tiny.shape)
     )
     assert speed.rows == [N] * 4 + [2] * (L - 4)
-    assert speed.pairs == [N * (N + 1) // 2] * 4 + [3] * (L - 4)  # BoS sees itself; last sees both
+    # BoS sees itself; the last token itself and BoS (where its window reaches back that far)
+    assert speed.pairs == full_pairs[:4] + [2 + sees(N - 1, i, 0) for i in range(4, L)]
     selfonly = make_policy("speed:lcut=4,anchors=bos,deep=3,selfonly=true", tiny.shape)
-    assert tiny_engine.prefill_ids(random_prompt(N), selfonly).pairs[4:] == [1 + 2 + 2 + 2] * (
-        L - 4
-    )
+    assert tiny_engine.prefill_ids(random_prompt(N), selfonly).pairs[4:] == [
+        1 + sum(1 + sees(t, layer, 0) for t in range(N - 3, N)) for layer in range(4, L)
+    ]
     result = tiny_engine.generate(
         [
             Request(
@@ -76,10 +91,11 @@ def test_prefill_work_counts_and_flops(tiny, tiny_engine):
         ]
     )[0]
     per_layer = 2 * layer_weights(tiny.shape)
-    assert result.flops_prefill == L * (
-        per_layer * N + pair_flops(tiny.shape) * N * (N + 1) // 2
+    assert result.flops_prefill == L * per_layer * N + pair_flops(tiny.shape) * sum(
+        full_pairs
     ) + head_flops(tiny.shape)
-    reads = L * ((N + 1) + (N + 2) + (N + 3))  # three decode steps, each also sees itself
+    # three decode steps, each also sees itself
+    reads = sum(sees(t, layer) for layer in range(L) for t in (N, N + 1, N + 2))
     assert (
         result.flops_decode
         == 3 * (per_layer * L + head_flops(tiny.shape)) + pair_flops(tiny.shape) * reads

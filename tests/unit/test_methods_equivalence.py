@@ -13,8 +13,10 @@ from speedkv.core.registry import make_policy, method_class, method_names
 from speedkv.core.sampling import SamplingParams
 from speedkv.core.spec import split_spec
 
-from conftest import random_prompt
+from conftest import EQUIVALENCE_PARAMS, random_prompt
 from helpers import declared_degenerate_specs, fill_spec, greedy_with_logits
+
+TINY_PARAMS = EQUIVALENCE_PARAMS  # the shared tiny models, Gemma 3 included
 
 N, NEW = 80, 8
 

@@ -1,10 +1,11 @@
 """Sliding-window models (Mistral's `sliding_window`, Qwen2's `use_sliding_window` with
-`max_window_layers`): the engine applies each layer's window by absolute position, so full
-attention equals transformers' own `generate` past the window, and SPEED -- whose windowed upper
-layers see the full-depth rows inside their window -- equals the dense reference, on every
-path the engine takes (masked prefill chunks, prefix reuse, decode batches, a cache out of
-position order, recorded steps, one native call per layer). Also tiny-config checks of two
-config features the real checkpoints use: Llama 3's rope scaling and tied embeddings."""
+`max_window_layers`, Gemma 3's local layers interleaved with global ones): the engine applies
+each layer's window by absolute position, so full attention equals transformers' own
+`generate` past the window, and SPEED -- whose windowed upper layers see the full-depth rows
+inside their window -- equals the dense reference, on every path the engine takes (masked
+prefill chunks, prefix reuse, decode batches, a cache out of position order, recorded steps,
+one native call per layer). Also tiny-config checks of two config features the real
+checkpoints use: Llama 3's rope scaling and tied embeddings."""
 
 from __future__ import annotations
 
@@ -13,6 +14,8 @@ from types import SimpleNamespace
 import pytest
 import torch
 from transformers import (
+    Gemma3ForCausalLM,
+    Gemma3TextConfig,
     LlamaConfig,
     LlamaForCausalLM,
     MistralConfig,
@@ -34,8 +37,10 @@ from helpers import check_equals_hf_generate, greedy_with_logits, hf_generate
 WINDOW = 48
 N = 300  # prompt tokens: six windows, so the anchors are far outside every window
 NEW = 8
+LOCAL, GLOBAL = "sliding_attention", "full_attention"
 # the windowed families: Mistral windows every layer; Qwen2 (use_sliding_window) the layers
-# from max_window_layers on, so layers 0-2 here attend to everything and 3-5 to the window
+# from max_window_layers on, so layers 0-2 here attend to everything and 3-5 to the window;
+# Gemma 3 two local layers, then a global one, twice (each type with its own rotary base)
 FAMILIES = {
     "mistral": (MistralConfig, MistralForCausalLM, {"sliding_window": WINDOW}),
     "qwen2": (
@@ -43,12 +48,19 @@ FAMILIES = {
         Qwen2ForCausalLM,
         {"use_sliding_window": True, "sliding_window": WINDOW, "max_window_layers": 3},
     ),
+    "gemma3_text": (
+        Gemma3TextConfig,
+        Gemma3ForCausalLM,
+        {"sliding_window": WINDOW, "layer_types": [LOCAL, LOCAL, GLOBAL] * 2},
+    ),
     "llama": (LlamaConfig, LlamaForCausalLM, {}),
 }
 
 
-# what switches the window off in either family (Mistral ignores the Qwen2 switch)
+# what switches the window off in each family (Mistral ignores the Qwen2 switch; Gemma 3
+# switches layers, not the window: transformers cannot build a local layer without one)
 WINDOW_OFF = {"sliding_window": None, "use_sliding_window": False}
+GEMMA_WINDOW_OFF = {"layer_types": [GLOBAL] * 6}
 
 
 def build(family: str, seed: int = 0, device: torch.device | str = "cpu", **config) -> LoadedModel:
@@ -58,7 +70,7 @@ def build(family: str, seed: int = 0, device: torch.device | str = "cpu", **conf
     return tiny_model(family, seed, device, **{**settings, **config})
 
 
-@pytest.fixture(scope="module", params=["mistral", "qwen2"])
+@pytest.fixture(scope="module", params=["mistral", "qwen2", "gemma3_text"])
 def windowed(request, device) -> LoadedModel:
     return build(request.param, device=device)
 
@@ -66,8 +78,9 @@ def windowed(request, device) -> LoadedModel:
 @pytest.fixture(scope="module")
 def unwindowed(windowed) -> LoadedModel:
     """The same weights with the window switched off: what an engine ignoring it computes."""
-    plain = build(windowed.hf_model.config.model_type, device=windowed.backbone.device,
-                  **WINDOW_OFF)  # fmt: skip
+    family = windowed.hf_model.config.model_type
+    off = GEMMA_WINDOW_OFF if family == "gemma3_text" else WINDOW_OFF
+    plain = build(family, device=windowed.backbone.device, **off)
     assert plain.shape.windows == ()
     return plain
 
@@ -104,6 +117,17 @@ def test_windows_are_read_as_transformers_reads_them():
     on = SimpleNamespace(**raw, use_sliding_window=True, max_window_layers=1)
     assert shape_of(on).windows == (None, 48, 48, 48)
     assert shape_of(SimpleNamespace(**{**raw, "model_type": "mistral"})).windows == (48,) * 4
+    # Gemma 3: the layers layer_types names local; a config without them (older checkpoints,
+    # a raw config.json) every sliding_window_pattern-th layer global, as transformers derives
+    gemma = Gemma3TextConfig(sliding_window=48, num_hidden_layers=7, head_dim=16)
+    assert gemma.layer_types == [LOCAL] * 5 + [GLOBAL] + [LOCAL]
+    assert shape_of(gemma).windows == (48,) * 5 + (None, 48)
+    mixed = Gemma3TextConfig(sliding_window=48, layer_types=[GLOBAL, LOCAL] * 2, **layers)
+    assert shape_of(mixed).windows == (None, 48, None, 48)
+    raw_gemma = SimpleNamespace(**{**raw, "model_type": "gemma3_text", "head_dim": 16})
+    assert shape_of(raw_gemma).windows == (48,) * 4  # 4 layers: none is a 6th
+    patterned = SimpleNamespace(**vars(raw_gemma), sliding_window_pattern=2)
+    assert shape_of(patterned).windows == (48, None, 48, None)
 
 
 # -- full attention against transformers ----------------------------------------------------

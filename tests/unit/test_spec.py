@@ -70,3 +70,53 @@ def test_registry_knows_full_and_speed():
 def test_bad_specs_say_what_is_wrong(spec, message):
     with pytest.raises(UserError, match=message):
         make_policy(spec, SHAPE)
+
+
+TRAINED = "speed:lcut=22,anchors=bos,deep=1,selfonly=false"  # as an adapter's training.json has it
+
+
+def test_an_adapter_fills_the_options_a_spec_leaves_unset(capsys):
+    # a bare `speed` on an adapter trained with deep=1 runs deep=1, not the default 64
+    assert make_policy("speed", SHAPE, TRAINED).spec() == TRAINED
+    assert make_policy("speed:lcut=22", SHAPE, TRAINED).spec() == TRAINED
+    assert capsys.readouterr().err == ""  # nothing set against the adapter: no warning
+    # without an adapter, or for another method, the defaults stand
+    assert make_policy("speed", SHAPE).spec().endswith("deep=64,selfonly=false")
+    assert make_policy("full", SHAPE, TRAINED).spec() == "full"
+    assert (
+        make_policy("pop:lcut=22", SHAPE, TRAINED).spec()
+        == make_policy("pop:lcut=22", SHAPE).spec()
+    )
+
+
+def test_an_option_set_against_the_adapter_is_kept_with_a_warning(capsys):
+    policy = make_policy("speed:deep=64,lcut=22", SHAPE, TRAINED)
+    assert policy.spec() == "speed:lcut=22,anchors=bos,deep=64,selfonly=false"
+    err = capsys.readouterr().err
+    assert f"trained for {TRAINED}" in err and "deep=64" in err and "lcut" not in err.split(";")[1]
+
+
+def test_an_engine_on_adapted_weights_runs_the_adapters_own_settings():
+    import dataclasses
+
+    from speedkv.core.engine import Engine
+
+    from conftest import tiny_model
+
+    base = tiny_model("llama")
+    layers = base.shape.num_layers
+    trained = f"speed:lcut={layers - 1},anchors=bos,deep=1,selfonly=false"
+    adapted = dataclasses.replace(base, trained_method=trained)
+    assert Engine(adapted).policy("speed").spec() == trained
+    assert Engine(base).policy("speed").spec() != trained  # the defaults, without an adapter
+    # what runs is what the spec says: the adapted engine's bare `speed` is its trained spec
+    from speedkv.core.engine import Request
+    from speedkv.core.sampling import SamplingParams
+
+    engine = Engine(adapted)
+
+    def tokens(method: str) -> list[int]:
+        request = Request(list(range(3, 40)), engine.policy(method), SamplingParams(4))
+        return engine.generate([request])[0].output_ids
+
+    assert tokens("speed") == tokens(trained) != tokens(f"speed:lcut={layers - 1},deep=5")

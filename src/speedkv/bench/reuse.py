@@ -63,7 +63,9 @@ class ReuseBench:
         if model.tokenizer is None:
             raise UserError("bench-reuse needs a model with a tokenizer (questions are text)")
         self.engine = Engine(model)
-        bound = [make_policy(m, model.shape) for m in ["full", *config.methods]]
+        bound = [
+            make_policy(m, model.shape, model.trained_method) for m in ["full", *config.methods]
+        ]
         for policy in bound:
             check_reusable(policy)
         self.policies = {p.spec(): p for p in bound}  # full first: ratios are against it

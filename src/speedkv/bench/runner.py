@@ -98,7 +98,10 @@ class Bench:
         self._limits: MachineLimits | None = None
         self.decode_mode = "prepacked" if model.backbone.prepacked else "plain"
         # full first: every ratio is taken against it; a method given twice runs once
-        bound = [m if m == HF else make_policy(m, model.shape) for m in ["full", *config.methods]]
+        bound = [
+            m if m == HF else make_policy(m, model.shape, model.trained_method)
+            for m in ["full", *config.methods]
+        ]
         self.policies = {p.spec(): p for p in bound if p != HF}
         self.methods = list(dict.fromkeys(HF if p == HF else p.spec() for p in bound))
         check_config(config, model.shape.max_positions)

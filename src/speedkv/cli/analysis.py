@@ -9,21 +9,17 @@ from typing import TYPE_CHECKING, Annotated
 
 import typer
 
-from speedkv.cli.common import read_prompt_lines, set_threads
+from speedkv.cli.common import ModelArgs, read_prompt_lines
 from speedkv.cli.options import (
-    Adapter,
     AsJson,
     ContinuationTokens,
-    Device,
-    Dtype,
     MaxNewTokens,
-    Model,
     OutDir,
     PromptsFile,
     PromptTokens,
     Samples,
-    Threads,
     count_option,
+    model_options,
     parsed_option,
 )
 from speedkv.errors import UserError
@@ -64,8 +60,10 @@ commands = typer.Typer()
 
 
 @commands.command("diagnose")
+@model_options("dtype", "device", "threads")
 def diagnose_command(
-    model: Model = "smollm2-135m",
+    *,
+    model: ModelArgs,
     prompts_file: PromptsFile = None,
     samples: Samples = None,
     max_new_tokens: MaxNewTokens = 32,
@@ -85,9 +83,6 @@ def diagnose_command(
     anchors: Anchors = None,
     deep: Deep = None,
     out: OutDir = Path("runs/diagnose"),
-    dtype: Dtype = "auto",
-    device: Device = "auto",
-    threads: Threads = 0,
     as_json: AsJson = False,
 ) -> None:
     """Layer-wise cutoff diagnostic: where generated tokens attend (prefill, BoS, earlier
@@ -98,7 +93,6 @@ def diagnose_command(
     from speedkv.analysis.diagnose import default_prompts, diagnose
     from speedkv.analysis.diagnose_plots import write_figures
     from speedkv.core.engine import Engine
-    from speedkv.hf.build import ModelOptions, build_model
     from speedkv.hf.text import encode_prompt
 
     if max_new_tokens < 3:
@@ -106,8 +100,7 @@ def diagnose_command(
             f"--max-new-tokens must be at least 3 (curvature needs three), got {max_new_tokens}"
         )
     lines = read_prompt_lines(prompts_file) if prompts_file else None
-    set_threads(threads)
-    loaded = build_model(ModelOptions(model, dtype=dtype, device=device))
+    loaded = model.build()
     shape = loaded.shape
     lcut = round(0.75 * shape.num_layers) if lcut is None else lcut
     if not 0 <= lcut < shape.num_layers:
@@ -162,8 +155,13 @@ def diagnosis_table(result: dict) -> str:
 
 
 @commands.command("choose-lcut")
+@model_options(
+    "adapter", "dtype", "device", "threads",
+    before={"adapter": "compare_separate", "dtype": "as_json"},
+)  # fmt: skip
 def choose_lcut_command(
-    model: Model = "smollm2-135m",
+    *,
+    model: ModelArgs,
     budget: Annotated[
         str,
         typer.Option(
@@ -189,7 +187,6 @@ def choose_lcut_command(
             "--context", help="Prompt length for the expected savings (default: the model's)."
         ),
     ] = None,
-    adapter: Adapter = None,
     compare_separate: Annotated[
         bool,
         typer.Option(
@@ -214,20 +211,16 @@ def choose_lcut_command(
             "the same model with other anchors; repeatable.",
         ),
     ] = None,
-    dtype: Dtype = "auto",
-    device: Device = "auto",
-    threads: Threads = 0,
     as_json: AsJson = False,
 ) -> None:
     """Choose SPEED's cutoff: measure fidelity against full attention (top-1 agreement,
-    perplexity ratio, KL) at every candidate cutoff in one shared pass over calibration text,
-    and print the smallest cutoff from which every deeper candidate meets the budget (a lucky
-low cutoff below a failing one is not trusted), with its expected TTFT / KV savings.
-    With --adapter (a SPEED-aware LoRA from `speedkv train`), cutoffs run with it and are
-    compared with the base model's full attention."""
+        perplexity ratio, KL) at every candidate cutoff in one shared pass over calibration text,
+        and print the smallest cutoff from which every deeper candidate meets the budget (a lucky
+    low cutoff below a failing one is not trusted), with its expected TTFT / KV savings.
+        With --adapter (a SPEED-aware LoRA from `speedkv train`), cutoffs run with it and are
+        compared with the base model's full attention."""
     from speedkv.analysis.cutoff import calib_passages, parse_budget, parse_candidates
     from speedkv.core.registry import make_policy
-    from speedkv.hf.build import ModelOptions, build_model
     from speedkv.methods.speed import DEFAULT_DEEP, parse_anchors, resolve_anchors
 
     wanted = parse_budget(budget)
@@ -235,9 +228,10 @@ low cutoff below a failing one is not trusted), with its expected TTFT / KV savi
         raise UserError("--plot-with draws into the --plot figure; give --plot PATH too")
     earlier = [read_sweep(path) for path in plot_with or []]
     deep = DEFAULT_DEEP if deep is None else deep
-    set_threads(threads)
-    # the sweep runs transformers' own layers over every position, not speedkv's kernels
-    loaded = build_model(ModelOptions(model, dtype=dtype, device=device, native_decode=False))
+    # the sweep runs transformers' own layers over every position, not speedkv's kernels; the
+    # adapter goes on after, since the base model is the sweep's reference
+    adapter = model.options.adapter
+    loaded = model.build(adapter=None, native_decode=False)
     for path, other in zip(plot_with or [], earlier):
         if other.get("model") != loaded.name:
             raise UserError(f"{path} is a sweep of {other.get('model')}, not of {loaded.name}")
@@ -391,8 +385,10 @@ def choice_table(result: dict) -> str:
 
 
 @commands.command("calibrate-tsp")
+@model_options("dtype", "device", "threads")
 def calibrate_tsp_command(
-    model: Model = "smollm2-135m",
+    *,
+    model: ModelArgs,
     tsp_rate: Annotated[
         float, typer.Option("--tsp-rate", help="Share of tokens TSP propagates.")
     ] = 0.2,
@@ -409,9 +405,6 @@ def calibrate_tsp_command(
     prompts_file: PromptsFile = None,
     samples: Samples = 4,
     prompt_tokens: PromptTokens = 1024,
-    dtype: Dtype = "auto",
-    device: Device = "auto",
-    threads: Threads = 0,
     as_json: AsJson = False,
 ) -> None:
     """Choose FastKV's TSP layer: the earliest layer whose final hidden states stay closest to
@@ -419,14 +412,12 @@ def calibrate_tsp_command(
     built-in prompts of --prompt-tokens, or on every line of --prompts-file."""
     from speedkv.analysis.calibrate import calibrate_tsp, default_prompts
     from speedkv.core.engine import Engine
-    from speedkv.hf.build import ModelOptions, build_model
     from speedkv.hf.text import encode_prompt
     from speedkv.methods.scoring import check_budget
 
     check_budget(tsp_rate, "tsp-rate")
     lines = read_prompt_lines(prompts_file) if prompts_file else None
-    set_threads(threads)
-    loaded = build_model(ModelOptions(model, dtype=dtype, device=device))
+    loaded = model.build()
     if lines is not None:
         prompts = [encode_prompt(loaded.tokenizer, line).ids for line in lines]
     else:

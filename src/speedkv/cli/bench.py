@@ -10,23 +10,15 @@ from typing import TYPE_CHECKING, Annotated
 import typer
 
 from speedkv.bench.report import HF
-from speedkv.cli.common import command_line, set_threads
+from speedkv.cli.common import ModelArgs, command_line
 from speedkv.cli.options import (
     METHODS_HELP,
-    Adapter,
     AsJson,
-    Backend,
-    Device,
-    Dtype,
     Lengths,
     MaxNewTokens,
-    Model,
     OutDir,
-    Prepack,
-    Threads,
-    VllmArg,
-    Weights,
     count_option,
+    model_options,
     parse_methods,
     parsed_option,
     split_methods,
@@ -83,8 +75,10 @@ commands = typer.Typer()
 
 
 @commands.command()
+@model_options("adapter", "dtype", "weights", "prepack", "device", "threads", "backend", "vllm_arg")
 def bench(
-    model: Model = "smollm2-135m",
+    *,
+    model: ModelArgs,
     methods: BenchMethods = "full;speed",
     lengths: Lengths = "1024,2048,4096,8192",
     max_new_tokens: MaxNewTokens = 128,
@@ -99,14 +93,6 @@ def bench(
             help="Also write the markdown report here (images linked relatively).",
         ),
     ] = None,
-    adapter: Adapter = None,
-    dtype: Dtype = "auto",
-    weights: Weights = "native",
-    prepack: Prepack = True,
-    device: Device = "auto",
-    threads: Threads = 0,
-    backend: Backend = "speedkv",
-    vllm_arg: VllmArg = None,
     as_json: AsJson = False,
 ) -> None:
     """Measure TTFT, TPOT, KV bytes, peak RSS and FLOPs per method and prompt length.
@@ -118,27 +104,24 @@ def bench(
     prompt of its own shared by the methods.
     """
     from speedkv.bench.runner import Bench, BenchConfig
-    from speedkv.hf.build import ModelOptions, build_model
 
     if max_new_tokens < 2:
         raise UserError(f"max-new-tokens must be at least 2 (TPOT needs two), got {max_new_tokens}")
-    options = ModelOptions(model, adapter, weights, dtype, device, prepack)
     config = BenchConfig(
-        model=options.label,
+        model=model.options.label,
         methods=list(methods),
         lengths=list(lengths),
         new_tokens=max_new_tokens,
         repeats=repeats,
-        dtype=dtype,
+        dtype=model.options.dtype,
         command=command_line(),
     )
-    if backend == "vllm":
-        runner = vllm_bench(options, config, out, vllm_arg or [])
+    if model.backend == "vllm":
+        runner = vllm_bench(model.options, config, out, model.vllm_args)
     else:
-        if vllm_arg:
+        if model.vllm_args:
             raise UserError("--vllm-arg is for --backend vllm")
-        set_threads(threads)
-        runner = Bench(build_model(options), config, out)
+        runner = Bench(model.build(), config, out)
     result = runner.run(resume=resume)
     if as_json:
         print(json.dumps(result, indent=2))
@@ -158,7 +141,7 @@ def bench(
 
 def vllm_bench(options: ModelOptions, config, out: Path, vllm_args: list[str]):
     """`bench --backend vllm`: every method checked against what vLLM runs before any loads."""
-    from speedkv.cli.common import vllm_model
+    from speedkv.cli.common import on_adapter, vllm_model
     from speedkv.vllm.args import engine_args
     from speedkv.vllm.bench import VllmBench
     from speedkv.vllm.offline import cpu_engine_defaults, engine_kwargs, quiet_vllm_logs
@@ -168,6 +151,7 @@ def vllm_bench(options: ModelOptions, config, out: Path, vllm_args: list[str]):
     if HF in config.methods:
         raise UserError("'hf' is transformers' generate; --backend vllm runs full and speed")
     built = vllm_model(options, "full")
+    config.methods = [on_adapter(options, method) for method in config.methods]
     for method in config.methods:
         engine_args(str(method), built.directory)
     quiet_vllm_logs()
@@ -177,8 +161,10 @@ def vllm_bench(options: ModelOptions, config, out: Path, vllm_args: list[str]):
 
 
 @commands.command("bench-reuse")
+@model_options("adapter", "dtype", "weights", "device", "threads")
 def bench_reuse(
-    model: Model = "smollm2-135m",
+    *,
+    model: ModelArgs,
     methods: ReusableMethods = "full;speed;speed:deep=turn",
     lengths: Lengths = "1024,2048,4096",
     questions: Annotated[
@@ -193,11 +179,6 @@ def bench_reuse(
     repeats: Repeats = 3,
     out: OutDir = Path("runs/bench-reuse"),
     resume: Resume = False,
-    adapter: Adapter = None,
-    dtype: Dtype = "auto",
-    weights: Weights = "native",
-    device: Device = "auto",
-    threads: Threads = 0,
     as_json: AsJson = False,
 ) -> None:
     """Measure a question's TTFT over a cached document against the same prompt from scratch.
@@ -209,21 +190,18 @@ def bench_reuse(
     """
     from speedkv.bench.reuse import ReuseBench, ReuseBenchConfig
     from speedkv.bench.reuse_report import markdown_table
-    from speedkv.hf.build import ModelOptions, build_model
 
-    options = ModelOptions(model, adapter, weights, dtype, device)
     config = ReuseBenchConfig(
-        model=options.label,
+        model=model.options.label,
         methods=list(methods),
         lengths=list(lengths),
         questions=questions,
         new_tokens=max_new_tokens,
         repeats=repeats,
-        dtype=dtype,
+        dtype=model.options.dtype,
         command=command_line(),
     )
-    set_threads(threads)
-    result = ReuseBench(build_model(options), config, out).run(resume=resume)
+    result = ReuseBench(model.build(), config, out).run(resume=resume)
     if as_json:
         print(json.dumps(result, indent=2))
     else:

@@ -4,10 +4,12 @@ are imported only when called."""
 
 from __future__ import annotations
 
+import dataclasses
 import shlex
 import sys
+from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from speedkv.errors import UserError
 from speedkv.log import log
@@ -28,28 +30,40 @@ def set_threads(threads: int | None) -> None:
         torch.set_num_threads(threads)
 
 
-def bind(method: MethodSpec, loaded: LoadedModel, adapter: Path | None = None) -> Policy:
-    """`method` bound to the loaded model, with a warning when `adapter` was trained for
-    another method."""
-    policy = method.bind(loaded.shape)
-    if adapter is not None:
-        from speedkv.hf.adapters import read_adapter_info
+@dataclass(frozen=True)
+class ModelArgs:
+    """The model options a command was given (cli/options.py's `model_options` declares them
+    once): `options` for hf/build.py, and what the command does around the build."""
 
-        warning = method_mismatch(read_adapter_info(adapter), policy)
-        if warning:
-            log(f"warning: {warning}")
+    options: ModelOptions  # an option the command does not take keeps ModelOptions' default
+    threads: int = 0
+    backend: str = "speedkv"
+    vllm_args: list[str] = field(default_factory=list)
+
+    def build(self, **changes: Any) -> LoadedModel:
+        """The model speedkv's engine runs, torch's threads set first (so worker threads
+        inherit them); `changes` replace options the command fixes itself."""
+        from speedkv.hf.build import build_model
+
+        set_threads(self.threads)
+        return build_model(dataclasses.replace(self.options, **changes))
+
+
+def bind(method: MethodSpec, loaded: LoadedModel) -> Policy:
+    """`method` bound to the loaded model. On adapted weights a SPEED spec takes what it leaves
+    unset from the adapter's training (`fit_to_adapter`, which also warns about an option set
+    otherwise), and another method than the one trained for gets a warning."""
+    from speedkv.core.registry import make_policy
+    from speedkv.core.spec import split_spec
+
+    policy = make_policy(method, loaded.shape, loaded.trained_method)
+    trained = loaded.trained_method
+    if trained and split_spec(trained)[0] != policy.name:
+        log(
+            f"warning: the adapter was trained for '{trained}' but runs with '{policy.spec()}'; "
+            "its quality was measured only for the method it was trained for"
+        )
     return policy
-
-
-def method_mismatch(info: dict, policy: Policy) -> str | None:
-    """A warning when `policy` does not run the method the adapter was trained for."""
-    trained = info.get("method")
-    if not trained or policy.spec() == trained:
-        return None
-    return (
-        f"the adapter was trained for '{trained}' but runs with '{policy.spec()}'; "
-        "its quality was measured only for the method it was trained for"
-    )
 
 
 def command_line() -> str:
@@ -100,6 +114,18 @@ def read_prompt_lines(path: Path) -> list[str]:
     """The non-blank lines of a UTF-8 text file, one prompt each."""
     text = read_text_file(path, "prompt file", empty="has no prompts (one per line)")
     return [line.strip() for line in text.splitlines() if line.strip()]
+
+
+def on_adapter(options: ModelOptions, method: MethodSpec) -> MethodSpec:
+    """`method` as it runs on the options' adapter, for vLLM's backend, whose merged model
+    keeps no record of its training: a SPEED spec takes what it leaves unset from the method
+    the adapter was trained for (speedkv's engine does the same from the adapted model)."""
+    if options.adapter is None:
+        return method
+    from speedkv.core.registry import fit_to_adapter
+    from speedkv.hf.adapters import read_adapter_info
+
+    return fit_to_adapter(method, read_adapter_info(options.adapter).get("method"))
 
 
 def vllm_model(options: ModelOptions, method: str) -> VllmModel:

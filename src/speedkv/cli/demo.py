@@ -11,19 +11,13 @@ from typing import Annotated
 import typer
 
 from speedkv.bench.memory import peak_rss_bytes, reset_peak_rss
-from speedkv.cli.common import set_threads
+from speedkv.cli.common import ModelArgs
 from speedkv.cli.options import (
     METHODS_HELP,
-    Adapter,
     AsJson,
-    Device,
-    Dtype,
     MaxNewTokens,
-    Model,
-    Prepack,
     PromptTokens,
-    Threads,
-    Weights,
+    model_options,
     parse_methods,
     parsed_option,
 )
@@ -139,8 +133,10 @@ commands = typer.Typer()
 
 
 @commands.command()
+@model_options("adapter", "dtype", "weights", "prepack", "device", "threads")
 def demo(
-    model: Model = "smollm2-135m",
+    *,
+    model: ModelArgs,
     methods: Annotated[
         Sequence[MethodSpec] | None,
         parsed_option(
@@ -154,22 +150,13 @@ def demo(
     ] = None,
     prompt_tokens: PromptTokens = 3000,
     max_new_tokens: MaxNewTokens = 32,
-    adapter: Adapter = None,
-    dtype: Dtype = "auto",
-    weights: Weights = "native",
-    prepack: Prepack = True,
-    device: Device = "auto",
-    threads: Threads = 0,
     as_json: AsJson = False,
 ) -> None:
     """Ask one question about a long document with full attention and with SPEED (or any
     methods); print the answers and what each cost. With --adapter, the method it was trained
     for runs with it and full runs without."""
-    from speedkv.hf.build import ModelOptions, build_model
-
-    set_threads(threads)
-    options = ModelOptions(model, weights=weights, dtype=dtype, device=device, prepack=prepack)
-    loaded = build_model(options)
+    adapter = model.options.adapter
+    loaded = model.build(adapter=None)
     adapted, trained_for = None, None
     if adapter is not None:  # the adapter's own method runs with it; full stays the base model
         from speedkv.hf.adapters import read_adapter_info
@@ -177,7 +164,7 @@ def demo(
         trained_for = read_adapter_info(adapter).get("method")
         # loaded like the base (adapter merged first, then weights and prepacking), so the
         # two differ only in the adapter
-        adapted = build_model(options.with_adapter(adapter))
+        adapted = model.build()
     if methods is None:
-        methods = [parse_spec(demo_method(model))]
+        methods = [parse_spec(demo_method(model.options.model))]
     run_demo(loaded, methods, prompt_tokens, max_new_tokens, as_json, adapted, trained_for)

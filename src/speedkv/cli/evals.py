@@ -9,21 +9,15 @@ from typing import Annotated
 
 import typer
 
-from speedkv.cli.common import read_text_file, set_threads
+from speedkv.cli.common import ModelArgs, read_text_file
 from speedkv.cli.options import (
-    Adapter,
     AsJson,
     ContinuationTokens,
-    Device,
-    Dtype,
     Lengths,
     Methods,
-    Model,
     OutDir,
-    Prepack,
     Seed,
-    Threads,
-    Weights,
+    model_options,
 )
 from speedkv.errors import UserError
 from speedkv.log import log
@@ -32,8 +26,13 @@ commands = typer.Typer()
 
 
 @commands.command("eval")
+@model_options(
+    "adapter", "dtype", "weights", "prepack", "device", "threads",
+    before={"adapter": "reference", "dtype": "as_json"},
+)  # fmt: skip
 def eval_command(
-    model: Model = "smollm2-135m",
+    *,
+    model: ModelArgs,
     methods: Methods = "full;speed",
     tasks: Annotated[
         str,
@@ -119,7 +118,6 @@ def eval_command(
             "run answers the same prompts.",
         ),
     ] = None,
-    adapter: Adapter = None,
     reference: Annotated[
         str | None,
         typer.Option(
@@ -130,11 +128,6 @@ def eval_command(
             "fine-tune, to measure a SPEED-trained model against it.",
         ),
     ] = None,
-    dtype: Dtype = "auto",
-    weights: Weights = "native",
-    prepack: Prepack = True,
-    device: Device = "auto",
-    threads: Threads = 0,
     as_json: AsJson = False,
 ) -> None:
     """Measure what methods cost in quality: needle retrieval, fidelity to full attention,
@@ -143,13 +136,12 @@ def eval_command(
     from speedkv.evals.report import markdown_tables
     from speedkv.evals.runner import EvalConfig, EvalRunner
     from speedkv.evals.tasks import parse_depths, parse_n, parse_tasks
-    from speedkv.hf.build import ModelOptions, build_model
     from speedkv.prompts.haystack import parse_split
 
     task_list = parse_tasks(tasks)
     if parse_split(split)[1] not in ("eval", "calib"):
         raise UserError(f"split must be eval or calib (of any corpus), got '{split}'")
-    options = ModelOptions(model, adapter, weights, dtype, device, prepack)
+    options = model.options
     config = EvalConfig(
         model=options.label,
         methods=list(methods),
@@ -157,24 +149,23 @@ def eval_command(
         lengths=list(lengths),
         n=parse_n(samples, task_list),
         seed=seed,
-        dtype=dtype,
+        dtype=options.dtype,
         depths=parse_depths(depths),
         fidelity_tokens=continuation_tokens,
         split=split,
-        adapter=str(adapter) if adapter is not None else None,
+        adapter=str(options.adapter) if options.adapter is not None else None,
         question_turn=question_turn,
         shared_prefill=shared_prefill,
         query_agnostic=query_agnostic,
         reference=reference,
         ruler_data=str(ruler_data) if ruler_data is not None else None,
     )
-    set_threads(threads)
     # decoded as generate and serve decode (prepacked by default), so quality is measured on
     # the kernels users run
-    evaluated = build_model(options)
+    evaluated = model.build()
     against = None
-    if reference is not None:
-        against = build_model(ModelOptions(reference, dtype=dtype, device=device, prepack=prepack))
+    if reference is not None:  # the reference model as loaded, with no adapter or int8
+        against = model.build(model=reference, adapter=None, weights="native")
     runner = EvalRunner(evaluated, config, out, against)
     result = runner.run(resume=resume, log=log)
     if as_json:

@@ -7,24 +7,16 @@ from typing import TYPE_CHECKING, Annotated
 
 import typer
 
-from speedkv.cli.common import bind, read_prompt, set_threads, vllm_model
+from speedkv.cli.common import ModelArgs, bind, on_adapter, read_prompt, vllm_model
 from speedkv.cli.options import (
     METHOD_HELP,
-    Adapter,
     AsJson,
-    Backend,
-    Device,
-    Dtype,
     LoadFile,
     MaxNewTokens,
-    Model,
-    Prepack,
     PromptFile,
     Raw,
     Seed,
-    Threads,
-    VllmArg,
-    Weights,
+    model_options,
     parsed_option,
 )
 from speedkv.cli.prefix import continue_saved
@@ -39,12 +31,14 @@ commands = typer.Typer()
 
 
 @commands.command()
+@model_options("adapter", "dtype", "weights", "prepack", "device", "threads", "backend", "vllm_arg")
 def generate(
+    *,
     prompt: Annotated[
         str | None, typer.Argument(help="Prompt text (or use --prompt-file, or pipe it in).")
     ] = None,
     prompt_file: PromptFile = None,
-    model: Model = "smollm2-135m",
+    model: ModelArgs,
     method: Annotated[
         MethodSpec | None,
         parsed_option(
@@ -66,14 +60,6 @@ def generate(
     stop: Annotated[
         list[str] | None, typer.Option("--stop", metavar="TEXT", help="Stop string (repeatable).")
     ] = None,
-    adapter: Adapter = None,
-    dtype: Dtype = "auto",
-    weights: Weights = "native",
-    prepack: Prepack = True,
-    device: Device = "auto",
-    threads: Threads = 0,
-    backend: Backend = "speedkv",
-    vllm_arg: VllmArg = None,
     as_json: AsJson = False,
 ) -> None:
     """Generate a continuation of one prompt, streaming the text as it is produced. With
@@ -82,10 +68,9 @@ def generate(
     from speedkv.bench.memory import peak_rss_bytes, reset_peak_rss
     from speedkv.core.engine import Engine
     from speedkv.core.sampling import SamplingParams
-    from speedkv.hf.build import ModelOptions, build_model
 
     text = read_prompt(prompt, prompt_file)
-    options = ModelOptions(model, adapter, weights, dtype, device, prepack)
+    options = model.options
     sampling = SamplingParams(
         max_new_tokens=max_new_tokens,
         temperature=temperature,
@@ -94,24 +79,23 @@ def generate(
         seed=seed,
         stop=tuple(stop or ()),
     ).validate()
-    if backend == "vllm":
-        if load_file is not None or weights != "native":
+    if model.backend == "vllm":
+        if load_file is not None or options.weights != "native":
             raise UserError(
                 "--load and --weights are speedkv's own engine's; drop them with --backend vllm"
             )
-        generate_on_vllm(text, options, method, raw, sampling, as_json, vllm_arg or [])
+        generate_on_vllm(text, options, method, raw, sampling, as_json, model.vllm_args)
         return
-    if vllm_arg:
+    if model.vllm_args:
         raise UserError("--vllm-arg is for --backend vllm")
-    set_threads(threads)
-    loaded = build_model(options)
+    loaded = model.build()
     engine = Engine(loaded)
     if load_file is None:
-        policy = bind(method or parse_spec("full"), loaded, adapter)
+        policy = bind(method or parse_spec("full"), loaded)
         request = engine.request(text, policy, chat=not raw, sampling=sampling)
         cached = ""
     else:
-        request = continue_saved(engine, load_file, text, sampling, method, raw, adapter)
+        request = continue_saved(engine, load_file, text, sampling, method, raw)
         cached = f" ({len(request.prefix)} cached in {load_file})"
     engine.check_request(request)
     log(
@@ -174,7 +158,7 @@ def generate_on_vllm(
         quiet_vllm_logs,
     )
 
-    spec = str(method or "full")
+    spec = str(on_adapter(options, method)) if method is not None else "full"
     built = vllm_model(options, spec)
     directory = built.directory
     quiet_vllm_logs()

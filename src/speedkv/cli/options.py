@@ -6,20 +6,25 @@ click's one line "Invalid value for '--x': <what is wrong and what is allowed>".
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+import dataclasses
+import functools
+import inspect
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
-from typing import Annotated, Any, TypeVar
+from typing import Annotated, Any, NamedTuple, TypeVar
 
 import typer
 
+from speedkv.cli.common import ModelArgs
 from speedkv.core.registry import MethodSpec, parse_spec
 from speedkv.errors import UserError
 
 T = TypeVar("T")
+F = TypeVar("F", bound=Callable[..., Any])
 
 MODEL_HELP = (
-    "Embedded model name (smollm2-135m, qwen2.5-coder-0.5b, qwen2.5-coder-1.5b), HF directory "
-    "or .gguf file."
+    "Embedded model name (smollm2-135m, qwen2.5-coder-0.5b, qwen2.5-coder-1.5b, gemma3-270m), "
+    "HF directory or .gguf file."
 )
 METHOD_HELP = (
     "Method spec, e.g. 'full' or 'speed:lcut=22,anchors=bos' (docs/methods.md lists every "
@@ -342,3 +347,110 @@ PromptsFile = Annotated[
         "--prompts-file", metavar="FILE", help="Prompts from a UTF-8 text file, one per line."
     ),
 ]
+
+
+# -- the model options, declared once ---------------------------------------------------------
+class SharedOption(NamedTuple):
+    alias: Any  # the Annotated type typer reads: flags, metavar, parser, help
+    default: Any  # what --help shows and a command gets when the option is not given
+
+
+# every command lists the ones it takes in this order (model first)
+MODEL_OPTIONS: dict[str, SharedOption] = {
+    "model": SharedOption(Model, "smollm2-135m"),
+    "adapter": SharedOption(Adapter, None),
+    "dtype": SharedOption(Dtype, "auto"),
+    "weights": SharedOption(Weights, "native"),
+    "prepack": SharedOption(Prepack, True),
+    "device": SharedOption(Device, "auto"),
+    "threads": SharedOption(Threads, 0),
+    "backend": SharedOption(Backend, "speedkv"),
+    "vllm_arg": SharedOption(VllmArg, None),
+}
+
+
+def model_options(*names: str, before: Mapping[str, str | None] | None = None) -> Callable[[F], F]:
+    """Give a command --model and the model options `names` (keys of MODEL_OPTIONS), declared
+    here once. The command takes them as one `ModelArgs` in its keyword-only parameter
+    `model: ModelArgs` (no default: the decorator always gives it) and names only its own
+    options.
+
+    typer lists options in the order of the signature, so where each goes is fixed: --model
+    takes the place of the command's `model`, the others follow MODEL_OPTIONS' order before the
+    command's own `as_json` (last if it has none). `before` starts a run of them elsewhere:
+    {"adapter": "host"} puts --adapter, and the ones after it up to the next one named there,
+    before the command's parameter `host`; None puts them last."""
+    unknown = set(names) - MODEL_OPTIONS.keys()
+    if unknown:
+        raise ValueError(f"not model options: {sorted(unknown)}; MODEL_OPTIONS has the rest")
+    wanted = [name for name in MODEL_OPTIONS if name == "model" or name in names]
+    before = dict(before or {})
+    stray = before.keys() - set(wanted[1:])
+    if stray:
+        raise ValueError(f"`before` names options the command does not take: {sorted(stray)}")
+
+    def decorate(func: F) -> F:
+        # evaluated, since the new signature is read as it stands (`from __future__` makes
+        # every annotation a string)
+        signature = inspect.signature(func, eval_str=True)
+        own = signature.parameters
+        if getattr(own.get("model"), "annotation", None) is not ModelArgs:
+            raise TypeError(f"{func.__name__} must take its model options as `model: ModelArgs`")
+        if set(wanted) & (own.keys() - {"model"}):
+            raise TypeError(f"{func.__name__} declares model options of its own")
+        places = _places(wanted[1:], before, own, func.__name__)
+
+        def shared(name: str) -> inspect.Parameter:
+            option = MODEL_OPTIONS[name]
+            return inspect.Parameter(name, inspect.Parameter.KEYWORD_ONLY,
+                                     default=option.default, annotation=option.alias)  # fmt: skip
+
+        params: list[inspect.Parameter] = []
+        for name, param in own.items():
+            if name == "model":
+                params.append(shared("model"))
+                continue
+            params += [shared(other) for other in places.get(name, [])]
+            # keyword-only: a required option may then follow options with defaults
+            params.append(param.replace(kind=inspect.Parameter.KEYWORD_ONLY))
+        params += [shared(other) for other in places.get(None, [])]
+
+        @functools.wraps(func)
+        def command(**values: Any) -> Any:
+            given = {name: values.pop(name) for name in wanted}
+            return func(**values, model=model_args(given))
+
+        command.__signature__ = signature.replace(parameters=params)  # type: ignore[attr-defined]
+        # typer also reads the type hints; these must be the new parameters' own
+        command.__annotations__ = {p.name: p.annotation for p in params}
+        command.__annotations__["return"] = signature.return_annotation
+        command.model_options = tuple(wanted)  # type: ignore[attr-defined]  # read by tests
+        return command  # type: ignore[return-value]
+
+    return decorate
+
+
+def _places(
+    names: list[str], before: dict[str, str | None], own: Mapping[str, Any], command: str
+) -> dict[str | None, list[str]]:
+    """The model options (but --model) that go before each of the command's own parameters
+    (None: last), in runs started by `before`."""
+    place = "as_json" if "as_json" in own else None
+    places: dict[str | None, list[str]] = {}
+    for name in names:
+        place = before.get(name, place)
+        if place is not None and place not in own:
+            raise TypeError(f"{command} has no parameter '{place}' to put --{name} before")
+        places.setdefault(place, []).append(name)
+    return places
+
+
+def model_args(given: Mapping[str, Any]) -> ModelArgs:
+    """The model options a command was given as one ModelArgs; those it does not take keep
+    ModelOptions' defaults (e.g. no prepacking where a command has no --prepack)."""
+    from speedkv.hf.build import ModelOptions
+
+    fields = {field.name for field in dataclasses.fields(ModelOptions)}
+    options = ModelOptions(**{name: value for name, value in given.items() if name in fields})
+    extra = {name: given[name] for name in ("threads", "backend") if name in given}
+    return ModelArgs(options, vllm_args=list(given.get("vllm_arg") or []), **extra)

@@ -9,20 +9,8 @@ from typing import TYPE_CHECKING, Annotated
 
 import typer
 
-from speedkv.cli.common import bind, read_prompt, set_threads
-from speedkv.cli.options import (
-    Adapter,
-    AsJson,
-    Device,
-    Dtype,
-    Method,
-    Model,
-    PromptFile,
-    Raw,
-    SaveFile,
-    Threads,
-    Weights,
-)
+from speedkv.cli.common import ModelArgs, bind, read_prompt
+from speedkv.cli.options import AsJson, Method, PromptFile, Raw, SaveFile, model_options
 from speedkv.errors import UserError
 from speedkv.log import log
 
@@ -35,20 +23,17 @@ commands = typer.Typer()
 
 
 @commands.command()
+@model_options("adapter", "dtype", "weights", "device", "threads")
 def prefill(
+    *,
     save: SaveFile,
     prompt: Annotated[
         str | None, typer.Argument(help="The document (or use --prompt-file, or pipe it in).")
     ] = None,
     prompt_file: PromptFile = None,
-    model: Model = "smollm2-135m",
+    model: ModelArgs,
     method: Method = "full",
     raw: Raw = False,
-    adapter: Adapter = None,
-    dtype: Dtype = "auto",
-    weights: Weights = "native",
-    device: Device = "auto",
-    threads: Threads = 0,
     as_json: AsJson = False,
 ) -> None:
     """Prefill a document once and save its cache to a file; `speedkv generate --load FILE
@@ -59,13 +44,11 @@ def prefill(
     file works only with the model, adapter and dtype that made it."""
     from speedkv.core.engine import Engine, check_reusable
     from speedkv.core.prefix_file import save_prefix
-    from speedkv.hf.build import ModelOptions, build_model
 
     check_reusable(method.cls)
     text = read_prompt(prompt, prompt_file)
-    set_threads(threads)
-    loaded = build_model(ModelOptions(model, adapter, weights, dtype, device))
-    policy = bind(method, loaded, adapter)
+    loaded = model.build()
+    policy = bind(method, loaded)
     engine = Engine(loaded)
     cached = engine.prefill(text, policy, chat=not raw)
     file_bytes = save_prefix(cached, save, engine)
@@ -100,7 +83,6 @@ def continue_saved(
     sampling: SamplingParams,
     method: MethodSpec | None,
     raw: bool,
-    adapter: Path | None,
 ) -> Request:
     """The request continuing the cache saved at `path` with `question`. A --method given
     must be the one the cache was made with, and --raw must say what the file holds."""
@@ -108,7 +90,7 @@ def continue_saved(
     from speedkv.core.registry import parse_spec
 
     cached = load_prefix(path, engine)
-    policy = bind(method or parse_spec(cached.method), engine.model, adapter)
+    policy = bind(method or parse_spec(cached.method), engine.model)
     if policy.spec() != cached.method:
         raise UserError(
             f"'{path}' was prefilled with '{cached.method}'; leave out --method or give that "

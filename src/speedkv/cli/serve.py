@@ -7,20 +7,8 @@ from typing import TYPE_CHECKING, Annotated
 
 import typer
 
-from speedkv.cli.common import bind, set_threads, vllm_model
-from speedkv.cli.options import (
-    Adapter,
-    Backend,
-    Device,
-    Dtype,
-    Model,
-    Prepack,
-    Threads,
-    VllmArg,
-    Weights,
-    count_option,
-    parsed_option,
-)
+from speedkv.cli.common import ModelArgs, bind, on_adapter, set_threads, vllm_model
+from speedkv.cli.options import count_option, model_options, parsed_option
 from speedkv.core.registry import MethodSpec, parse_spec
 from speedkv.errors import UserError
 from speedkv.log import log as _log
@@ -62,8 +50,13 @@ commands = typer.Typer()
 
 
 @commands.command()
+@model_options(
+    "adapter", "dtype", "weights", "prepack", "device", "threads", "backend", "vllm_arg",
+    before={"adapter": "host", "dtype": "log_level", "backend": None},
+)  # fmt: skip
 def serve(
-    model: Model = "smollm2-135m",
+    *,
+    model: ModelArgs,
     method: DefaultMethod = "full",
     fixed_method: Annotated[
         bool,
@@ -71,7 +64,6 @@ def serve(
             "--fixed-method", help="Refuse per-request methods (the body field speedkv.method)."
         ),
     ] = False,
-    adapter: Adapter = None,
     host: Annotated[
         str, typer.Option("--host", help="Address to bind; loopback only by default.")
     ] = "127.0.0.1",
@@ -106,17 +98,10 @@ def serve(
             help="Require 'Authorization: Bearer KEY' on /v1/ routes (or set SPEEDKV_API_KEY).",
         ),
     ] = None,
-    dtype: Dtype = "auto",
-    weights: Weights = "native",
-    prepack: Prepack = True,
-    device: Device = "auto",
-    threads: Threads = 0,
     log_level: Annotated[
         str,
         typer.Option("--log-level", help="uvicorn log level: critical, error, warning, info."),
     ] = "info",
-    backend: Backend = "speedkv",
-    vllm_arg: VllmArg = None,
 ) -> None:
     """Serve the OpenAI API (/v1/completions, /v1/chat/completions, /v1/models) with
     continuous batching, plus /metrics (Prometheus) and /health. With --backend vllm, vLLM's
@@ -124,11 +109,10 @@ def serve(
     import uvicorn
 
     from speedkv.core.engine import Engine
-    from speedkv.hf.build import ModelOptions, build_model
     from speedkv.server.app import create_app
     from speedkv.server.config import ServerConfig
 
-    set_threads(threads)  # the scheduler thread inherits it
+    set_threads(model.threads)  # the scheduler thread inherits it
     if not 0 <= port <= 65535:
         raise UserError(f"port must be between 0 and 65535, got {port}")
     if log_level not in {"critical", "error", "warning", "info", "debug"}:
@@ -136,7 +120,7 @@ def serve(
             f"log-level must be critical, error, warning, info or debug, got '{log_level}'"
         )
     config = ServerConfig(
-        model_name=model,
+        model_name=model.options.model,
         method=method.text,
         fixed_method=fixed_method,
         max_batch=max_batch,
@@ -150,13 +134,13 @@ def serve(
     ).check()  # mistakes fail before the model loads
     if host not in LOOPBACK and not api_key:
         _log(f"warning: binding {host} without --api-key; anyone who can reach it may use it")
-    options = ModelOptions(model, adapter, weights, dtype, device, prepack)
-    if backend == "vllm":
-        serve_on_vllm(options, method, host, port, api_key, vllm_arg or [])
+    if model.backend == "vllm":
+        serve_on_vllm(model.options, method, host, port, api_key, model.vllm_args)
         return
-    loaded = build_model(options)
+    loaded = model.build()
     config.model_name = loaded.name
-    config.method = bind(method, loaded, adapter).spec()  # canonical, and checked on the model
+    # canonical, and checked on the model
+    config.method = bind(method, loaded).spec()
     app_ = create_app(Engine(loaded), config)
     _log(
         f"serving '{loaded.name}' ({loaded.dtype_name}) with "
@@ -180,6 +164,7 @@ def serve_on_vllm(
     from speedkv.vllm.offline import cpu_engine_defaults
     from speedkv.vllm.serve import check_serve_command, serve_command
 
+    method = on_adapter(options, method)
     built = vllm_model(options, method.text)
     model = options.model
     argv = serve_command(built.directory, method.text, model, built.dtype, host, port, api_key,

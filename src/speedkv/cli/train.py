@@ -9,15 +9,13 @@ from typing import Annotated
 
 import typer
 
-from speedkv.cli.common import command_line, read_text_file, set_threads
+from speedkv.cli.common import ModelArgs, command_line, read_text_file, set_threads
 from speedkv.cli.options import (
     AsJson,
-    Device,
     Methods,
-    Model,
     OutDir,
     Seed,
-    Threads,
+    model_options,
     parsed_option,
     split_commas,
 )
@@ -112,9 +110,11 @@ commands = typer.Typer()
 
 
 @commands.command("train")
+@model_options("device", "threads", before={"device": "resume"})
 def train(
+    *,
     out: OutDir,
-    model: Model = "smollm2-135m",
+    model: ModelArgs,
     method: TrainMethod = "speed",
     data: Annotated[str, typer.Option("--data", help=DATA_HELP)] = "builtin",
     text: Annotated[str, typer.Option("--text", help=TEXT_HELP)] = DEFAULT_TEXT,
@@ -189,8 +189,6 @@ def train(
         ),
     ] = "bfloat16",
     gradient_checkpointing: GradientCheckpointing = False,
-    device: Device = "auto",
-    threads: Threads = 0,
     resume: Annotated[bool, typer.Option("--resume", help="Continue the run in --out.")] = False,
     as_json: AsJson = False,
 ) -> None:
@@ -202,7 +200,7 @@ def train(
     from speedkv.train.trainer import log, run_training
 
     lora = _lora_options(full_parameters, lora_r, lora_alpha, lora_dropout, target_modules)
-
+    device = model.options.device
     if device not in ("auto", "cpu", "cuda"):
         raise UserError(
             f"training runs on auto, cpu or cuda (under `accelerate launch` each process takes "
@@ -210,7 +208,7 @@ def train(
         )
     config = TrainConfig(
         out=str(out),
-        model=model,
+        model=model.options.model,
         method=method.text,
         data=data,
         text=text,
@@ -236,7 +234,7 @@ def train(
     ).validate()
     if parse_mix(data) is None:  # a .jsonl file: unreadable or binary fails before any loading
         read_text_file(Path(data), "data file")
-    set_threads(threads)
+    set_threads(model.threads)  # the trainer loads the model itself
     record = run_training(config, resume=resume, command=command_line(), device=device)
     if as_json:
         print(json.dumps(record, indent=2))
@@ -290,8 +288,10 @@ def train_compare(
 
 
 @commands.command("train-bench")
+@model_options("device", "threads")
 def train_bench(
-    model: Model = "smollm2-135m",
+    *,
+    model: ModelArgs,
     methods: Methods = "speed",
     seq_len: Annotated[
         int, typer.Option("--seq-len", help="Tokens per example (the longest, with --mix).")
@@ -311,13 +311,10 @@ def train_bench(
     gradient_checkpointing: GradientCheckpointing = False,
     seed: Seed = 0,
     bf16: Bf16 = None,
-    device: Device = "auto",
-    threads: Threads = 0,
     as_json: AsJson = False,
 ) -> None:
     """Tokens/s and peak memory of a SPEED training step against a full one on the same
     batch, LoRA or (--full) every weight."""
-    from speedkv.hf.build import ModelOptions, build_model
     from speedkv.train.data import DEFAULT_WEIGHTS, build_mix, tokenize_all
     from speedkv.train.forward import check_trainable, visibility_for
     from speedkv.train.stepbench import fixed_batch, measure_step_speed
@@ -331,8 +328,7 @@ def train_bench(
         raise UserError("--repeats and --batch must be at least 1")
     if not 1 <= response_len < seq_len:
         raise UserError("--response-len must be at least 1 and shorter than --seq-len")
-    set_threads(threads)
-    loaded = build_model(ModelOptions(model, dtype="float32", device=device))
+    loaded = model.build(dtype="float32")
     # bound once; a cutoff the model does not have fails here; the same method twice runs once
     rules = list({v.spec: v for v in (visibility_for(m, loaded.shape) for m in wanted)}.values())
     if mix:
@@ -348,11 +344,11 @@ def train_bench(
         full_parameters=full_parameters,
         gradient_checkpointing=gradient_checkpointing,
     )
-    use_bf16 = _bf16_default(bf16, device)
+    use_bf16 = _bf16_default(bf16, model.options.device)
     weights = trained_weights(loaded, config)
     result = measure_step_speed(weights, rules, examples, repeats, distill, use_bf16)
     result["model"] = loaded.name
-    result["threads"] = threads
+    result["threads"] = model.threads
     if as_json:
         print(json.dumps(result, indent=2))
         return

@@ -569,7 +569,9 @@ class Engine:
         bound to the model's shape (the defaults its layer count implies, such as SPEED's
         lcut); a `Policy` is returned as it is. One policy may serve many requests: the engine
         runs each sequence on a `fresh()` copy of it."""
-        return method if isinstance(method, Policy) else make_policy(method, self.shape)
+        if isinstance(method, Policy):
+            return method
+        return make_policy(method, self.shape, self.model.trained_method)
 
     def _need_tokenizer(self) -> None:
         if self.tokenizer is None:

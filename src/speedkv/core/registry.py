@@ -13,6 +13,7 @@ from speedkv.core.policy import Policy
 from speedkv.core.spec import parse_config, split_spec
 from speedkv.errors import UserError
 from speedkv.hf.backbone import ModelShape
+from speedkv.log import log
 
 # -- registry ------------------------------------------------------------------------------
 _REGISTRY: dict[str, type[Policy]] = {}
@@ -73,7 +74,39 @@ def config_record(config) -> dict:
     return record
 
 
-def make_policy(spec: str | MethodSpec, shape: ModelShape) -> Policy:
+def make_policy(spec: str | MethodSpec, shape: ModelShape, trained: str | None = None) -> Policy:
     """Parse a spec (unless it is parsed already) and bind it to a model: the one entry point
-    faces and tools use."""
-    return (spec if isinstance(spec, MethodSpec) else parse_spec(spec)).bind(shape)
+    faces and tools use. `trained` is the method the model's adapter was trained for, if it
+    has one: see `fit_to_adapter`."""
+    parsed = spec if isinstance(spec, MethodSpec) else parse_spec(spec)
+    return fit_to_adapter(parsed, trained).bind(shape)
+
+
+def fit_to_adapter(spec: MethodSpec, trained: str | None) -> MethodSpec:
+    """`spec` with every option it leaves unset taken from `trained`, the method the model's
+    adapter was trained for, when both name the same method. An adapter learns one layout of
+    shallow and deep rows, and runs worse on any other (SPEED's deep suffix most of all), so
+    a bare `speed` runs the adapter's own settings. Options the user set otherwise are kept,
+    with a warning: that is an experiment, not a default."""
+    if not trained:
+        return spec
+    trained_name, trained_options = split_spec(trained)
+    if trained_name != spec.name:
+        return spec  # `full` on adapted weights, say: nothing to fit
+    given = dict(spec.options)
+    differing = [f"{k}={v}" for k, v in given.items() if k in trained_options
+                 and _canonical(spec, k, v) != _canonical(spec, k, trained_options[k])]  # fmt: skip
+    if differing:
+        log(f"the adapter was trained for {trained}; {', '.join(differing)} runs it on a "
+            "layout it never saw, which usually costs quality")  # fmt: skip
+    missing = {k: v for k, v in trained_options.items() if k not in given}
+    if not missing:
+        return spec
+    options = tuple(given.items()) + tuple(missing.items())
+    text = f"{spec.name}:" + ",".join(f"{k}={v}" for k, v in options)
+    return MethodSpec(text, spec.cls, options)
+
+
+def _canonical(spec: MethodSpec, key: str, value: str) -> object:
+    """An option's value as its Config holds it, so that `deep=1` and `deep=01` agree."""
+    return getattr(parse_config(spec.cls, {key: value}), key)

@@ -60,7 +60,7 @@ class EvalRunner:
         self.reference_engine = Engine(reference) if reference is not None else self.engine
         self.reference_full = make_policy(FULL, (reference or model).shape)
         specs = list(dict.fromkeys([FULL, *config.methods]))  # full is every task's reference
-        policies = [make_policy(spec, model.shape) for spec in specs]
+        policies = [make_policy(spec, model.shape, model.trained_method) for spec in specs]
         self.policies: dict[str, Policy] = {p.spec(): p for p in policies}
         self.methods = list(self.policies)
         self.samples: dict[tuple[str, int], Any] = {}  # what tasks prepared, by (task, length)

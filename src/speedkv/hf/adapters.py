@@ -76,7 +76,7 @@ def apply_adapter(loaded: LoadedModel, adapter_dir: str | Path) -> LoadedModel:
     merged = wrapped.merge_and_unload()
     merged.eval().requires_grad_(False)
     name = f"{loaded.name}+{Path(adapter_dir).name}"
-    adapted = LoadedModel(name, merged, loaded.tokenizer, loaded.source)
+    adapted = LoadedModel(name, merged, loaded.tokenizer, loaded.source, info.get("method"))
     adapted.backbone.prepack_decode(loaded.backbone.prepacked)  # decode as `loaded` does
     return adapted
 

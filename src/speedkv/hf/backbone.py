@@ -5,7 +5,23 @@ The engine owns the decoder loop; this module hands it the pieces of a HuggingFa
 names that do not depend on the model family. Supported: Llama, Mistral, Qwen2, Qwen3 -- the
 pre-norm, rotary, grouped-query decoders whose layers are `input_layernorm -> self_attn ->
 residual -> post_attention_layernorm -> mlp -> residual` -- with or without sliding-window
-attention (`ModelShape.windows`, read as transformers reads it: `sliding_windows`).
+attention (`ModelShape.windows`, read as transformers reads it: `sliding_windows`), and Gemma 3's
+text model (`gemma3_text`), whose layers differ in ways this module absorbs:
+
+- "sandwich" norms: `post_attention_layernorm` normalises attention's output before the
+  residual add, and the MLP sits between `pre_feedforward_layernorm` and
+  `post_feedforward_layernorm` (`attn_out`, `mlp_block`); its RMSNorms scale by 1 + weight
+  and run as the model's own modules; the embedding module multiplies by sqrt(hidden_size);
+- interleaved local (sliding-window) and global layers, each type with its own rotary base:
+  `rope` returns one table per type side by side, and each layer takes its own (`_layer_rope`);
+- the attention scale query_pre_attn_scalar**-0.5 instead of head_dim**-0.5: queries leave
+  this module multiplied by the ratio, so every attention kernel's 1/sqrt(head_dim) gives the
+  model's scale (and scores read from those queries are the model's);
+- a final logit soft cap, applied in `logits` when the config sets one (Gemma 3's do not);
+  an attention logit soft cap, which no attention kernel here applies, is refused.
+
+Gemma 3 layers never run on `layer_work`'s fused functions or the native one-call decode layer
+(`decode_dims` is None for them): those compute the Llama-shaped layer.
 
 When a transformers release renames something, this is the file to change.
 """
@@ -29,7 +45,9 @@ from speedkv.kernels.catalogue import ONE_CALL_OPERATORS
 from speedkv.kernels.config import TORCH_KERNELS, KernelConfig, NativeOps
 from speedkv.kernels.linear import apply_linear, can_prepack, prepacked, tiles_take
 
-SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
+SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "gemma3_text")
+# families whose layers have Gemma's sandwich norms (see the module docstring)
+SANDWICH_NORM_TYPES = ("gemma3_text",)
 # The families' RMSNorm classes, which all compute weight * (x / rms(x) in float32, rounded to
 # the input dtype); the decoder runs that as one fused kernel instead of the module's six ops.
 T5_STYLE_NORMS = ("LlamaRMSNorm", "MistralRMSNorm", "Qwen2RMSNorm", "Qwen3RMSNorm")
@@ -84,11 +102,36 @@ class ModelShape:
 
 
 def check_supported(model_type: str) -> None:
+    if model_type == "gemma3":  # Gemma 3 4B and larger: a vision tower around the text model
+        raise UserError(
+            "model architecture 'gemma3' is Gemma 3's image-text model; speedkv runs Gemma 3 "
+            "text models (model_type gemma3_text, such as gemma-3-270m and gemma-3-1b)"
+        )
     if model_type not in SUPPORTED_MODEL_TYPES:
         raise UserError(
             f"model architecture '{model_type}' is not supported; speedkv runs "
             f"{', '.join(SUPPORTED_MODEL_TYPES)} decoders"
         )
+
+
+def layer_types(config) -> list[str] | None:
+    """Each layer's `layer_types` entry (`sliding_attention` or `full_attention`) as
+    transformers derives it when a config has none, or None for a family that needs none.
+    `config` may be a raw config.json read into a namespace (see `sliding_windows`)."""
+    types = getattr(config, "layer_types", None)
+    if types is not None:
+        return list(types)
+    layers = config.num_hidden_layers
+    if config.model_type in ("qwen2", "qwen3"):
+        first = getattr(config, "max_window_layers", 28)  # transformers' default
+        return ["sliding_attention" if i >= first else "full_attention" for i in range(layers)]
+    if config.model_type == "gemma3_text":
+        # older Gemma 3 configs give the pattern: every `sliding_window_pattern`-th layer global
+        pattern = getattr(config, "sliding_window_pattern", None) or 6  # transformers' default
+        return [
+            "sliding_attention" if (i + 1) % pattern else "full_attention" for i in range(layers)
+        ]
+    return None
 
 
 def sliding_windows(config) -> tuple[int | None, ...]:
@@ -97,9 +140,11 @@ def sliding_windows(config) -> tuple[int | None, ...]:
     Mistral windows every layer when `sliding_window` is set (its modeling ignores
     `layer_types`). Qwen2 and Qwen3 window only when `use_sliding_window` is true, and then
     the layers `layer_types` names `sliding_attention`, which their configs derive as the
-    layers from `max_window_layers` on. `config` may be a transformers config or a raw
-    config.json read into a namespace (the vLLM backend's), so the derivation is repeated
-    here rather than read from attributes only a transformers config has."""
+    layers from `max_window_layers` on. Gemma 3 windows the layers `layer_types` names
+    `sliding_attention` (five local layers to one global in its checkpoints). `config` may be
+    a transformers config or a raw config.json read into a namespace (the vLLM backend's), so
+    the derivation is repeated here rather than read from attributes only a transformers
+    config has."""
     layers = config.num_hidden_layers
     window = getattr(config, "sliding_window", None)
     if config.model_type in ("qwen2", "qwen3") and not getattr(config, "use_sliding_window", False):
@@ -110,10 +155,7 @@ def sliding_windows(config) -> tuple[int | None, ...]:
         raise UserError(f"the model's sliding_window must be a positive token count, got {window}")
     if config.model_type == "mistral":
         return (int(window),) * layers
-    types = getattr(config, "layer_types", None)
-    if types is None:
-        first = getattr(config, "max_window_layers", 28)  # transformers' default
-        types = ["sliding_attention" if i >= first else "full_attention" for i in range(layers)]
+    types = layer_types(config) or ["sliding_attention"] * layers
     windows = tuple(int(window) if kind == "sliding_attention" else None for kind in types)
     return windows if any(w is not None for w in windows) else ()
 
@@ -126,6 +168,25 @@ def in_window(window: int | None, q_pos: torch.Tensor, k_pos: torch.Tensor) -> t
     if window is None:
         return torch.ones((q_pos.shape[0], k_pos.shape[0]), dtype=torch.bool, device=q_pos.device)
     return k_pos[None, :] > q_pos[:, None] - window
+
+
+def check_gemma3(config) -> None:
+    """Refuse, in one sentence each, the Gemma 3 options speedkv's engine does not compute: an
+    attention logit soft cap (no attention kernel here applies one) and bidirectional
+    attention (an encoder, not a causal LM)."""
+    if config.model_type != "gemma3_text":
+        return
+    cap = getattr(config, "attn_logit_softcapping", None)
+    if cap is not None:
+        raise UserError(
+            f"this Gemma model caps attention logits (attn_logit_softcapping={cap}), which "
+            "speedkv's attention kernels do not apply; Gemma 3 checkpoints set it to null"
+        )
+    if getattr(config, "use_bidirectional_attention", False):
+        raise UserError(
+            "this Gemma model attends bidirectionally (use_bidirectional_attention=true): it "
+            "is an encoder, and speedkv runs causal decoders only"
+        )
 
 
 def shape_of(config) -> ModelShape:
@@ -189,6 +250,8 @@ def decode_dims(config, shape: ModelShape) -> LayerDims | None:
         return None
     if shape.model_type == "qwen3":  # per-head q/k norms run as the model's modules
         return None
+    if shape.model_type in SANDWICH_NORM_TYPES:  # four norms a layer, (1 + weight), GELU
+        return None
     q = shape.num_heads * shape.head_dim
     kv = shape.num_kv_heads * shape.head_dim
     return LayerDims(float(eps), (q, kv, kv), shape.head_dim, shape.intermediate_size)
@@ -201,13 +264,26 @@ class Backbone:
         self.hf_model = hf_model
         self.config = hf_model.config
         self.shape = dataclasses.replace(shape_of(self.config), starts_with_bos=starts_with_bos)
+        check_gemma3(self.config)
         inner = hf_model.model
-        self._embed = inner.embed_tokens
+        self._embed = inner.embed_tokens  # Gemma's multiplies by sqrt(hidden_size) itself
         self.layers = inner.layers
         self._norm = inner.norm
         self._rotary = inner.rotary_emb
         self._lm_head = hf_model.lm_head
-        self.scaling = self.shape.head_dim**-0.5
+        self._sandwich = self.shape.model_type in SANDWICH_NORM_TYPES
+        # the rotary tables `rope` returns side by side (None: the model has one, called
+        # without a layer type), and which of them each layer takes
+        types = layer_types(self.config) if self._sandwich else None
+        self._rope_kinds: tuple[str | None, ...] = tuple(sorted(set(types))) if types else (None,)
+        self._rope_slot = [self._rope_kinds.index(t) for t in types] if types else None
+        # the model's attention scale; every attention kernel here divides by sqrt(head_dim),
+        # so queries are multiplied by the ratio of the two (None where they are equal)
+        pre_attn = getattr(self.config, "query_pre_attn_scalar", None) if self._sandwich else None
+        self.scaling = (pre_attn or self.shape.head_dim) ** -0.5
+        ratio = self.scaling * self.shape.head_dim**0.5
+        self._q_scale = None if ratio == 1.0 else ratio
+        self._final_softcap = getattr(self.config, "final_logit_softcapping", None)
         self._rope_table: tuple[torch.Tensor, torch.Tensor] | None = None
         self._fused: dict[int, tuple[FusedProjection, FusedProjection]] = {}
         self._decode_weights: list[LayerTensors | None] | None = None
@@ -292,9 +368,11 @@ class Backbone:
     def rope(
         self, positions: torch.Tensor, bound: int | None = None
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """cos, sin for the given absolute positions ([n] -> [n, head_dim] each); `bound`, if
-        the caller knows one, is above every position (reading the largest back from a GPU
-        would wait for it).
+        """cos, sin for the given absolute positions ([n] -> [n, head_dim] each; for a model
+        whose layer types have their own rotary bases, Gemma 3's, [n, types * head_dim]: the
+        types' tables side by side, which the layer methods here split, so callers index
+        rows only); `bound`, if the caller knows one, is above every position (reading the
+        largest back from a GPU would wait for it).
 
         The table is computed by the model's own rotary module (so rope scaling variants come
         out as HF has them) once for the whole context, and extended if generation runs past
@@ -309,19 +387,52 @@ class Backbone:
             size = max(self.shape.max_positions, 2 * needed if table is not None else needed)
             all_pos = torch.arange(size, device=self.device)[None]
             probe = torch.empty((), dtype=self.dtype, device=self.device)
-            cos, sin = self._rotary(probe, all_pos)
+            if self._rope_kinds == (None,):
+                cos, sin = self._rotary(probe, all_pos)
+            else:
+                parts = [self._rotary(probe, all_pos, kind) for kind in self._rope_kinds]
+                cos = torch.cat([c for c, _ in parts], dim=-1)
+                sin = torch.cat([s for _, s in parts], dim=-1)
             self._rope_table = table = (cos[0].contiguous(), sin[0].contiguous())
         return table[0][positions], table[1][positions]
+
+    def _layer_rope(
+        self, layer: int, cos: torch.Tensor, sin: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """A layer's own cos, sin out of `rope`'s tables (the same tensors where there is one)."""
+        if self._rope_slot is None:
+            return cos, sin
+        d = self.shape.head_dim
+        at = self._rope_slot[layer] * d
+        return cos[..., at : at + d], sin[..., at : at + d]
+
+    def _rotary_of(
+        self, layer: int, x: torch.Tensor, position_ids: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """The model's rotary module's cos, sin for `layer` (its layer type's, where types
+        have their own)."""
+        if self._rope_slot is None:
+            return self._rotary(x, position_ids)
+        return self._rotary(x, position_ids, self._rope_kinds[self._rope_slot[layer]])
+
+    def _scaled_q(self, q: torch.Tensor) -> torch.Tensor:
+        """Post-rotary queries times the model's attention scale over 1/sqrt(head_dim)."""
+        return q if self._q_scale is None else q * self._q_scale
 
     def final_norm(self, h: torch.Tensor) -> torch.Tensor:
         return rms_norm(self._norm, h)
 
     def logits(self, h: torch.Tensor) -> torch.Tensor:
-        """LM head over (already normed) hidden states, in float32 for sampling."""
+        """LM head over (already normed) hidden states, in float32 for sampling (soft-capped
+        as transformers caps them, where the config sets a cap)."""
         head = self._packed_head
         if head is not None and (h.shape[0] <= self.native_linear_rows or self._tiles_for(head)):
-            return apply_linear(h, self._packed_head, self.kernels).float()
-        return self._lm_head(h).float()
+            out = apply_linear(h, self._packed_head, self.kernels).float()
+        else:
+            out = self._lm_head(h).float()
+        if self._final_softcap is not None:
+            out = torch.tanh(out / self._final_softcap) * self._final_softcap
+        return out
 
     # -- one decoder layer, in parts -------------------------------------------------------
     def input_norm(self, layer: int, h: torch.Tensor) -> torch.Tensor:
@@ -334,10 +445,11 @@ class Backbone:
         attn = self.layers[layer].self_attn
         qkv, _ = self._projections(layer)
         q, k, v = (self._heads(t) for t in qkv(x, self.kernels).split(qkv.sizes, dim=-1))
-        if hasattr(attn, "q_norm"):  # Qwen3 normalises q and k per head before rotary
+        if hasattr(attn, "q_norm"):  # Qwen3 and Gemma 3 normalise q and k per head before rotary
             q = attn.q_norm(q.transpose(-3, -2)).transpose(-3, -2)
             k = attn.k_norm(k.transpose(-3, -2)).transpose(-3, -2)
-        return apply_rope(q, cos, sin), apply_rope(k, cos, sin), v
+        cos, sin = self._layer_rope(layer, cos, sin)
+        return self._scaled_q(apply_rope(q, cos, sin)), apply_rope(k, cos, sin), v
 
     def q(self, layer: int, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         """Only a layer's post-rotary query of normed input x."""
@@ -345,7 +457,7 @@ class Backbone:
         q = self._heads(attn.q_proj(x))
         if hasattr(attn, "q_norm"):
             q = attn.q_norm(q.transpose(-3, -2)).transpose(-3, -2)
-        return apply_rope(q, cos, sin)
+        return self._scaled_q(apply_rope(q, *self._layer_rope(layer, cos, sin)))
 
     def kv(
         self, layer: int, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
@@ -356,21 +468,26 @@ class Backbone:
         v = self._heads(attn.v_proj(x))
         if hasattr(attn, "k_norm"):
             k = attn.k_norm(k.transpose(-3, -2)).transpose(-3, -2)
-        return apply_rope(k, cos, sin), v
+        return apply_rope(k, *self._layer_rope(layer, cos, sin)), v
 
     def attn_out(self, layer: int, o: torch.Tensor) -> torch.Tensor:
-        """Output projection of attention output o [..., Hq, n, D] -> [..., n, H]."""
+        """What attention output o [..., Hq, n, D] adds to the residual [..., n, H]: its output
+        projection (normed by Gemma's post_attention_layernorm)."""
         o = o.transpose(-3, -2).flatten(-2)
-        return self.layers[layer].self_attn.o_proj(o)
+        block = self.layers[layer]
+        out = block.self_attn.o_proj(o)
+        return rms_norm(block.post_attention_layernorm, out) if self._sandwich else out
 
     def mlp_block(self, layer: int, h: torch.Tensor) -> torch.Tensor:
-        """h + MLP(post_attention_layernorm(h))."""
+        """h + MLP(post_attention_layernorm(h)); on Gemma
+        h + post_feedforward_layernorm(MLP(pre_feedforward_layernorm(h)))."""
         block = self.layers[layer]
         _, gate_up = self._projections(layer)
-        gate, up = gate_up(rms_norm(block.post_attention_layernorm, h), self.kernels).split(
-            gate_up.sizes, -1
-        )
-        return h + block.mlp.down_proj(block.mlp.act_fn(gate) * up)
+        sandwich = self._sandwich
+        before = block.pre_feedforward_layernorm if sandwich else block.post_attention_layernorm
+        gate, up = gate_up(rms_norm(before, h), self.kernels).split(gate_up.sizes, -1)
+        out = block.mlp.down_proj(block.mlp.act_fn(gate) * up)
+        return h + (rms_norm(block.post_feedforward_layernorm, out) if sandwich else out)
 
     # -- a layer's dense work for decode tokens and prefill chunks (see layer_work.py) --------
     def before_attention(
@@ -540,7 +657,7 @@ class Backbone:
         additive = torch.zeros(mask.shape, dtype=h.dtype, device=h.device)
         additive.masked_fill_(~mask, torch.finfo(h.dtype).min)
         position_ids = positions.view(1, -1).expand(h.shape[0], -1)
-        cos, sin = self._rotary(h, position_ids)
+        cos, sin = self._rotary_of(layer, h, position_ids)
         out = self.layers[layer](
             h, attention_mask=additive, position_ids=position_ids, position_embeddings=(cos, sin)
         )

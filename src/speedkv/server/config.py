@@ -63,7 +63,7 @@ class ServerConfig:
             f"reused from {self.prefix_min_tokens} tokens"
         )
 
-    def validate(self, shape: ModelShape) -> ServerConfig:
+    def validate(self, shape: ModelShape, trained: str | None = None) -> ServerConfig:
         """Resolve defaults against the model and reject impossible settings (UserError)."""
         self.check()
         context = shape.max_positions
@@ -74,5 +74,6 @@ class ServerConfig:
                 f"max-prompt-tokens must be between 1 and {context - 1} (the model's context "
                 f"is {context}), got {self.max_prompt_tokens}"
             )
-        self.method = make_policy(self.method, shape).spec()  # canonical, and checked
+        # canonical and checked; a SPEED spec takes what it leaves unset from the adapter
+        self.method = make_policy(self.method, shape, trained).spec()
         return self

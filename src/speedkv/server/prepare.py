@@ -7,7 +7,6 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from speedkv.core.engine import Engine, Request
-from speedkv.core.registry import make_policy
 from speedkv.core.sampling import SamplingParams
 from speedkv.errors import UserError
 from speedkv.hf.text import encode_messages
@@ -121,7 +120,7 @@ class Preparer:
                     stop=tuple(_stop_list(body.stop)),
                     ignore_eos=bool(extra and extra.ignore_eos),
                 )
-                request = Request(ids, make_policy(spec, self.shape), sampling, header, turn)
+                request = Request(ids, self.engine.policy(spec), sampling, header, turn)
                 self.engine.check_request(request)  # UserError -> 400
                 requests.append(request)
         include_usage = bool(body.stream_options and body.stream_options.include_usage)
@@ -135,7 +134,7 @@ class Preparer:
             return self.config.method
         param = "speedkv.method"
         try:
-            policy = make_policy(asked, self.shape)
+            policy = self.engine.policy(asked)
         except UserError as err:
             raise APIError(400, str(err), param=param, code="invalid_method") from err
         # a client must not make the server read files or load other models

@@ -1,0 +1,60 @@
+"""The embedded Gemma 3 270M (18 layers: 15 local with a 512-token window, 3 global; tied
+embeddings) in float32, where it is installed (`speedkv models --install gemma3-270m`; not part
+of `make test`'s downloads): on a prompt longer than the window, full attention is transformers'
+greedy, and SPEED at 75 % depth (13 of 18 layers) is the dense reference and holds the KV it
+says it does."""
+
+import pytest
+
+from speedkv.core.engine import Engine, Request
+from speedkv.core.registry import make_policy
+from speedkv.core.sampling import SamplingParams
+
+from helpers import check_equals_dense, check_equals_hf_generate, document_prompt_ids
+
+pytestmark = pytest.mark.real_model
+
+WINDOW = 512
+
+
+@pytest.fixture(scope="module")
+def engine():
+    from speedkv.hf.loading import EMBEDDED, load_model
+
+    if EMBEDDED["gemma3-270m"].part_paths() is None:
+        pytest.skip("the embedded Gemma 3 270M is not installed (speedkv models --install)")
+    model = load_model("gemma3-270m", dtype="float32", device="cpu", progress=False)
+    shape = model.shape
+    assert (shape.model_type, shape.num_layers, shape.num_heads, shape.num_kv_heads) == (
+        "gemma3_text",
+        18,
+        4,
+        1,
+    )
+    assert shape.windows == ((WINDOW,) * 5 + (None,)) * 3
+    assert shape.starts_with_bos
+    return Engine(model, chunk_size=128)
+
+
+@pytest.fixture(scope="module")
+def prompt_ids(engine):
+    ids = document_prompt_ids(engine.model.tokenizer, 700, "What is the text above about?")
+    assert len(ids) > WINDOW + 100  # the local layers drop rows
+    return ids
+
+
+def test_full_equals_hf_generate_past_the_window(engine, prompt_ids):
+    check_equals_hf_generate(engine, prompt_ids, ["full"], steps=8)
+
+
+def test_speed_at_three_quarters_depth_equals_the_dense_reference(engine, prompt_ids):
+    spec = "speed:lcut=13,anchors=bos,deep=1"
+    check_equals_dense(engine, prompt_ids, spec, steps=4, atol=1e-3)
+    n = len(prompt_ids)
+    sampling = SamplingParams(max_new_tokens=1, ignore_eos=True)
+    speed, full = (
+        engine.generate([Request(prompt_ids, make_policy(s, engine.shape), sampling)])[0]
+        for s in (spec, "full")
+    )
+    assert speed.layer_lengths == [n] * 13 + [2] * 5  # upper layers: BoS and the last token
+    assert speed.kv_bytes / full.kv_bytes == pytest.approx((13 * n + 5 * 2) / (18 * n))
