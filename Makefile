@@ -61,11 +61,18 @@ $(QWEN15_STAMP): $(STAMP)
 # models and vLLM's scheduling, which one core at a time leaves half the machine idle for.
 # Each worker's torch gets its share of the cores (tests/conftest.py). Files are handed out
 # slowest first, in tests/conftest.py's order (not xdist's, by number of tests). The two suites
-# at once gain nothing more: with two workers each, the cores are already busy.
+# at once gain nothing more: with two workers each, the cores are already busy. On a fresh
+# clone the vLLM environment is built (downloads, unpacking) while the main suite runs, not
+# before it. The build's log is $(VLLM_LOG), printed if it fails.
 TEST_WORKERS ?= 2
 XDIST := -n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder
-test: install qwen vllm-venv vllm-qwen
-	$(PY) -m pytest -q $(XDIST)
+VLLM_LOG = $(VLLM_VENV).install.log
+test: install qwen
+	@( $(MAKE) --no-print-directory vllm-venv vllm-qwen > $(VLLM_LOG) 2>&1; echo $$? > $(VLLM_LOG).rc ) & \
+	$(PY) -m pytest -q $(XDIST); suite=$$?; wait; \
+	if [ "$$(cat $(VLLM_LOG).rc)" != 0 ]; then \
+		cat $(VLLM_LOG); echo "make test: building $(VLLM_VENV) failed (log above)"; exit 1; fi; \
+	exit $$suite
 	$(VLLM_VENV)/bin/python -m pytest -q $(XDIST) tests/vllm_backend
 
 # The unit tier alone (tests/unit: tiny random models and pure logic, no real model, server or
