@@ -42,10 +42,10 @@ def run_demo(
     max_new_tokens: int,
     as_json: bool,
     adapted_model: LoadedModel | None = None,
-    trained_for: str | None = None,
 ) -> dict:
     """Run the demo; with `adapted_model` (the same model with an adapter merged, loaded the
-    same way), the method the adapter was trained for (`trained_for`) runs on it instead."""
+    same way), the method the adapter was trained for runs on it instead."""
+    trained_for = adapted_model.trained_method if adapted_model is not None else None
     engine = Engine(loaded)
     bound = [make_policy("full", loaded.shape), *(m.bind(loaded.shape) for m in methods)]
     policies = {policy.spec(): policy for policy in bound}  # full first, each method once
@@ -157,14 +157,11 @@ def demo(
     for runs with it and full runs without."""
     adapter = model.options.adapter
     loaded = model.build(adapter=None)
-    adapted, trained_for = None, None
+    adapted = None
     if adapter is not None:  # the adapter's own method runs with it; full stays the base model
-        from speedkv.hf.adapters import read_adapter_info
-
-        trained_for = read_adapter_info(adapter).get("method")
         # loaded like the base (adapter merged first, then weights and prepacking), so the
         # two differ only in the adapter
         adapted = model.build()
     if methods is None:
         methods = [parse_spec(demo_method(model.options.model))]
-    run_demo(loaded, methods, prompt_tokens, max_new_tokens, as_json, adapted, trained_for)
+    run_demo(loaded, methods, prompt_tokens, max_new_tokens, as_json, adapted)

@@ -97,7 +97,7 @@ def fit_to_adapter(spec: MethodSpec, trained: str | None) -> MethodSpec:
     differing = [f"{k}={v}" for k, v in given.items() if k in trained_options
                  and _canonical(spec, k, v) != _canonical(spec, k, trained_options[k])]  # fmt: skip
     if differing:
-        log(f"the adapter was trained for {trained}; {', '.join(differing)} runs it on a "
+        log(f"warning: the adapter was trained for {trained}; {', '.join(differing)} runs it on a "
             "layout it never saw, which usually costs quality")  # fmt: skip
     missing = {k: v for k, v in trained_options.items() if k not in given}
     if not missing:
