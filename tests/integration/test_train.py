@@ -328,6 +328,32 @@ def test_builtin_mix_is_seeded_fits_and_never_uses_evaluation_text(smol_tokenize
     assert any(json.dumps(s)[1:-1] in json.dumps(essay_mix) for s in long_sentences)
 
 
+def test_extra_tasks_join_a_mix_only_when_named(smol_tokenizer):
+    from speedkv.train.data import DEFAULT_WEIGHTS, EXTRA_TASKS, build_mix, mix_spec, parse_mix
+    from speedkv.train.tasks import WORDS
+
+    assert set(EXTRA_TASKS) == {"strings", "codedfreq"}
+    assert mix_spec(parse_mix("builtin")) == mix_spec(DEFAULT_WEIGHTS)  # recorded runs resume
+    weights = parse_mix("builtin:strings=1,codedfreq=1,needle=0,continue=0,instruct=0")
+    weights = {k: v for k, v in weights.items() if k in EXTRA_TASKS}
+    records = build_mix(smol_tokenizer, 12, weights, 900, seed=3, progress=False)
+    assert {r["kind"] for r in records} == {"strings", "codedfreq"}
+    for record in records:
+        prompt, answer = (m["content"] for m in record["messages"])
+        if record["kind"] == "strings":  # the value asked for is in the prompt, copied exactly
+            value = answer.rsplit(" ", 1)[-1].rstrip(".")
+            assert value in prompt and value not in WORDS
+        else:  # the named words are the most frequent ones, most frequent first
+            named = answer.split(": ", 1)[1].rstrip(".").split(", ")
+            body = prompt.split("\n\n")[1]
+            lines = body.split("\n")  # a numbered list, or one run of words
+            words = [line.split(". ", 1)[-1] for line in lines] if len(lines) > 1 else body.split()
+            counts = {w: words.count(w) for w in set(words)}
+            ranked = sorted(counts.values(), reverse=True)
+            assert [counts[w] for w in named] == ranked[: len(named)]
+            assert all(w.isalpha() and w.islower() for w in named)
+
+
 def test_chat_and_raw_records_tokenise_as_inference_does(smol_tokenizer):
     from speedkv.hf.text import encode_messages
     from speedkv.train.data import tokenize_record
@@ -400,6 +426,27 @@ def test_adapter_method_mismatch_warns_and_shape_mismatch_refuses(tiny, tmp_path
         apply_adapter(tiny, tmp_path)
     with pytest.raises(UserError, match="no adapter_config.json"):
         read_adapter_info(tmp_path / "nowhere")
+
+
+def test_demo_runs_the_adapters_kind_of_method_on_it(tiny_model_dir, tmp_path, capsys):
+    from speedkv import load_model
+    from speedkv.cli.demo import run_demo
+    from speedkv.core.registry import parse_spec
+    from speedkv.hf.adapters import INFO_NAME, apply_adapter
+
+    base = load_model(str(tiny_model_dir), dtype="float32")
+    lora_copy(base).save(tmp_path)
+    trained = "speed:lcut=2,anchors=bos,deep=1,selfonly=false"
+    record = {"method": trained, "model_shape": {"num_layers": base.shape.num_layers}}
+    (tmp_path / INFO_NAME).write_text(json.dumps(record))
+    adapted = apply_adapter(base, tmp_path)
+    methods = [parse_spec(m) for m in ("speed", "speed:lcut=3", "streamingllm:sink=4,window=64")]
+    report = run_demo(base, methods, 300, 2, True, adapted)
+    rows = [row["method"] for row in report["rows"]]
+    assert rows[0] == "full" and rows[1] == f"{trained} + adapter"  # bare speed: fitted
+    assert rows[2].startswith("speed:lcut=3,") and rows[2].endswith(" + adapter")
+    assert rows[3].startswith("streamingllm") and "adapter" not in rows[3]
+    assert "lcut=3 runs it on a layout it never saw" in capsys.readouterr().err
 
 
 # -- a whole run ------------------------------------------------------------------------------

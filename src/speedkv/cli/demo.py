@@ -22,7 +22,7 @@ from speedkv.cli.options import (
     parsed_option,
 )
 from speedkv.core.engine import Engine
-from speedkv.core.registry import MethodSpec, make_policy, parse_spec
+from speedkv.core.registry import MethodSpec, fit_to_adapter, make_policy, parse_spec
 from speedkv.core.sampling import SamplingParams
 from speedkv.hf.loading import LoadedModel, demo_method
 from speedkv.log import log as _log
@@ -44,12 +44,16 @@ def run_demo(
     adapted_model: LoadedModel | None = None,
 ) -> dict:
     """Run the demo; with `adapted_model` (the same model with an adapter merged, loaded the
-    same way), the method the adapter was trained for runs on it instead."""
+    same way), each method of the adapter's kind runs on it instead, with the adapter's
+    settings where the spec leaves them unset. `full` always runs on the base model."""
     trained_for = adapted_model.trained_method if adapted_model is not None else None
-    engine = Engine(loaded)
-    bound = [make_policy("full", loaded.shape), *(m.bind(loaded.shape) for m in methods)]
-    policies = {policy.spec(): policy for policy in bound}  # full first, each method once
     adapted = Engine(adapted_model) if adapted_model is not None else None
+    engine = Engine(loaded)
+    fitted = [fit_to_adapter(m, trained_for) for m in methods]
+    on_adapter = {m.bind(loaded.shape).spec() for m in fitted if trained_for and m.name != "full"
+                  and m.name == parse_spec(trained_for).name}  # fmt: skip
+    bound = [make_policy("full", loaded.shape), *(m.bind(loaded.shape) for m in fitted)]
+    policies = {policy.spec(): policy for policy in bound}  # full first, each method once
     # the calibration split: demo prompts are designed, and the eval split is kept for measuring
     document = plant(haystack_text(loaded.tokenizer, prompt_tokens, split="calib"), FACT, depth=0.7)
     prompt = f"{document}\n\n{QUESTION}"
@@ -59,7 +63,7 @@ def run_demo(
         warm.generate([warm.request("Hello.", "full", sampling=SamplingParams(max_new_tokens=2))])
     rows = []
     for spec, policy in policies.items():
-        runner = adapted if adapted is not None and spec == trained_for else engine
+        runner = adapted if adapted is not None and spec in on_adapter else engine
         request = runner.request(prompt, policy, sampling=sampling)
         new = sampling.max_new_tokens
         log(f"{spec}: prefill of {len(request.ids)} tokens, then up to {new} new tokens")
@@ -143,9 +147,9 @@ def demo(
             "--methods",
             parse=parse_methods,
             metavar="SPECS",
-            help=f"{METHODS_HELP} Default: the model's demo method (SmolLM2: "
-            "speed:lcut=26,anchors=bos,deep=1; Qwen2.5 and other models: speed, 75 % of the "
-            "layers).",
+            help=f"{METHODS_HELP} Default: the adapter's own method with --adapter, else "
+            "the model's demo method (SmolLM2: speed:lcut=26,anchors=bos,deep=1; Qwen2.5 and "
+            "other models: speed, 75 % of the layers).",
         ),
     ] = None,
     prompt_tokens: PromptTokens = 3000,
@@ -153,8 +157,9 @@ def demo(
     as_json: AsJson = False,
 ) -> None:
     """Ask one question about a long document with full attention and with SPEED (or any
-    methods); print the answers and what each cost. With --adapter, the method it was trained
-    for runs with it and full runs without."""
+    methods); print the answers and what each cost. With --adapter, methods of the kind it was
+    trained for run with it (by default its own method; a bare `speed` takes its settings), and
+    full runs without."""
     adapter = model.options.adapter
     loaded = model.build(adapter=None)
     adapted = None
@@ -162,6 +167,7 @@ def demo(
         # loaded like the base (adapter merged first, then weights and prepacking), so the
         # two differ only in the adapter
         adapted = model.build()
-    if methods is None:
-        methods = [parse_spec(demo_method(model.options.model))]
+    if methods is None:  # the adapter's own method, else the model's demo method
+        trained = adapted.trained_method if adapted is not None else None
+        methods = [parse_spec(trained or demo_method(model.options.model))]
     run_demo(loaded, methods, prompt_tokens, max_new_tokens, as_json, adapted)

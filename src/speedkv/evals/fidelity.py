@@ -113,10 +113,10 @@ class FidelityTask(Task):
     )
     default_samples = 4
     methodology = """\
-**fidelity**: the first `length` tokens of an essay passage (raw text with the tokenizer's own
-special tokens, no chat template; sample `i` starts at the same sentence at every length) are
-the prompt; the next tokens of the same passage are teacher-forced through the method's real
-decode path. Reported: perplexity of those tokens, its ratio to full's on the same tokens,
+**fidelity**: the prompt is the first `length` tokens of an essay passage. It is raw text with
+the tokenizer's own special tokens and no chat template; sample `i` starts at the same sentence
+at every length. The next tokens of the same passage are teacher-forced through the method's
+real decode path. Reported: perplexity of those tokens, its ratio to full's on the same tokens,
 top-1 agreement with full's argmax and the mean KL(full || method).
 """
     tables_shown = (

@@ -209,9 +209,9 @@ def found_values(answer: str, expected: list[str]) -> list[str]:
 
 # -- the tasks ----------------------------------------------------------------------------------
 METHODOLOGY = """\
-Every prompt goes through the model's chat template with the question after the document;
-lengths are total prompt tokens (the essay text is trimmed word by word to fit, so prompts are
-at most the length and within a few tokens of it). The haystack is essay text of the chosen
+Every prompt goes through the model's chat template with the question after the document.
+Lengths are total prompt tokens. The essay text is trimmed word by word to fit, so a prompt is
+at most the length and within a few tokens of it. The haystack is essay text of the chosen
 split from a sentence offset drawn from the seeded RNG; sample `i` uses the same needles and
 offset at every length and sits at needle depth `depths[i mod len(depths)]`.
 
@@ -233,10 +233,10 @@ offset at every length and sits at needle depth `depths[i mod len(depths)]`.
   given.
 
 The multi-needle tasks open with the plural form of the instruction. The wording was chosen
-on the `calib` split (full attention, 6 samples at 1K and at 2K): the classic pass-key needle
-with its instruction line was retrieved every time, while RULER's "special magic number"
-phrasing and a bare "The secret number is N." each missed once at 2K, answering with a stray
-number from the essays. Scoring is exact match by containment, as in RULER:
+on the `calib` split (full attention, 6 samples at 1K and at 2K). The classic pass-key needle
+with its instruction line was retrieved every time. RULER's "special magic number" phrasing
+and a bare "The secret number is N." each missed once at 2K: the answer was a stray number
+from the essays. Scoring is exact match by containment, as in RULER:
 a sample is correct when every expected value appears in the greedy answer as a whole number
 (thousands separators ignored) or, for `vt`, as a whole word (case ignored). Every record in
 `results.json` keeps the prompt length, depth, planted sentences, expected values and the

@@ -3,7 +3,8 @@ evaluation uses: Python's documentation by default), users' JSONL files, and the
 examples the trainer consumes.
 
 `--data builtin` uses the default weights; `--data builtin:needle=3,continue=2` sets some of
-them (the rest keep theirs, 0 drops a task). `--data FILE.jsonl` reads one record a line:
+them (the rest keep theirs, 0 drops a task), and `builtin:strings=0.15` adds a task the default
+leaves out (EXTRA_TASKS). `--data FILE.jsonl` reads one record a line:
 `{"messages": [{"role": "user", "content": ...}, ..., {"role": "assistant", "content": ...}]}`
 trains on the last assistant message with everything before it as the (shallow) prompt;
 `{"prompt": ..., "response": ...}` is raw text, no chat template.
@@ -34,6 +35,9 @@ DEFAULT_WEIGHTS: dict[str, float] = {
     "continue": 0.27,
     "instruct": 0.15,
 }
+# tasks a mix may name but the default leaves out (`builtin:strings=0.15` adds one); left out of
+# DEFAULT_WEIGHTS so that the default mix, and so every recorded run's data, stays as it was
+EXTRA_TASKS = tuple(task for task in TASKS if task not in DEFAULT_WEIGHTS)
 # the corpus the built-in mix draws its text from (speedkv.prompts.haystack.CORPORA)
 DEFAULT_TEXT = "pydocs"
 MIN_PROMPT_TOKENS = 256
@@ -67,8 +71,8 @@ def parse_mix(data: str) -> dict[str, float] | None:
     _, options = split_spec(data)
     weights = dict(DEFAULT_WEIGHTS)
     for task, raw in options.items():
-        if task not in weights:
-            raise UserError(f"the built-in mix has no task '{task}'; tasks: {', '.join(weights)}")
+        if task not in TASKS:
+            raise UserError(f"the built-in mix has no task '{task}'; tasks: {', '.join(TASKS)}")
         try:
             weights[task] = float(raw)
         except ValueError:

@@ -12,6 +12,9 @@ continuation and short instructions keep its decode distribution close to the mo
 - multiquery: several keys asked at once, every value answered in the order asked,
 - wordfreq: counting over many spans: a long list or run of words in which a few recur more
   often than the rest, and the question which recur most, most frequent first,
+- strings: a value no vocabulary word spells (a UUID, a hex code, a run of random letters),
+  planted in text, sometimes among distractors, and asked for: it must be copied token by token,
+- codedfreq: wordfreq over made-up letter strings, so the frequent words must be copied too,
 - continue: raw essay text; the prompt is its beginning, the response the next tokens,
 - instruct: short instructions, alone or about a passage, answered later by the base model
   itself at full depth (self-distillation), so short-prompt behaviour is kept.
@@ -434,9 +437,22 @@ def wordfreq(rng: random.Random, source: TextSource, budget: int) -> dict:
     often than every other word; the answer names them from the most frequent down."""
     words = {w.strip(".,;:()[]'\"`").lower() for w in source.text(rng, 20000).split()}
     vocabulary = sorted(w for w in words if w.isalpha() and 3 <= len(w) <= 12)
+    return _frequency_list(rng, vocabulary, budget, "wordfreq", item_tokens=1)
+
+
+def codedfreq(rng: random.Random, source: TextSource, budget: int) -> dict:
+    """wordfreq over made-up lowercase strings, several tokens each: a decode token can only
+    name a frequent one by copying it from the prompt."""
+    vocabulary = sorted({_letters(rng, rng.randint(4, 7)) for _ in range(max(64, budget // 3))})
+    return _frequency_list(rng, vocabulary, budget, "codedfreq", item_tokens=3)
+
+
+def _frequency_list(
+    rng: random.Random, vocabulary: list[str], budget: int, kind: str, item_tokens: int
+) -> dict:
     rare_max = rng.randint(1, 3)  # how often a word outside the top may recur
     numbered = rng.random() < 0.5
-    per_item = 5 if numbered else 2  # tokens of "123. word\n" or of " word", about
+    per_item = item_tokens + (4 if numbered else 1)  # tokens of "123. word\n" or of " word"
     slots = (budget - 120) // per_item
     # the top words' counts are distinct and above every other word's; they fill at most
     # half the list, so that many other words surround them
@@ -461,7 +477,49 @@ def wordfreq(rng: random.Random, source: TextSource, budget: int) -> dict:
         lead = "Read the following run of words and keep track of how often each one occurs."
     question = f"Which {top} words appear most often above? List them, most frequent first."
     answer = f"The {top} most frequent words are: {', '.join(common)}."
-    return _chat("wordfreq", f"{lead}\n\n{body}\n\n{question}", answer)
+    return _chat(kind, f"{lead}\n\n{body}\n\n{question}", answer)
+
+
+STRING_FACTS = (
+    "The access token for {word} is {value}.",
+    "One of the secret identifiers for {word} is: {value}.",
+    "Write this down, it is the serial for {word}: {value}.",
+    "The checksum recorded for {word} was {value}.",
+)
+STRING_QUESTIONS = (
+    "What is the access token for {word}?",
+    "Which secret identifier is given for {word}?",
+    "What serial is written down for {word}?",
+    "Which checksum was recorded for {word}?",
+)
+
+
+def _letters(rng: random.Random, count: int) -> str:
+    return "".join(rng.choice("abcdefghijklmnopqrstuvwxyz") for _ in range(count))
+
+
+def _random_value(rng: random.Random) -> str:
+    """A string the tokenizer splits into pieces that carry no meaning."""
+    style = rng.random()
+    if style < 0.4:
+        return str(uuid.UUID(int=rng.getrandbits(128), version=4))
+    if style < 0.7:
+        return "".join(rng.choice("0123456789abcdef") for _ in range(rng.randint(8, 16)))
+    return "-".join(_letters(rng, rng.randint(4, 7)) for _ in range(rng.randint(1, 3)))
+
+
+def strings(rng: random.Random, source: TextSource, budget: int) -> dict:
+    """One random string to copy back exactly, sometimes among other words' strings."""
+    form = rng.randrange(len(STRING_FACTS))
+    words = rng.sample(WORDS, rng.randint(1, 5))
+    values = {w: _random_value(rng) for w in words}
+    facts = [STRING_FACTS[form].format(word=w, value=values[w]) for w in words]
+    word = words[0]
+    question = STRING_QUESTIONS[form].format(word=word)
+    overhead = source.tokens(" ".join(facts) + question) + 60
+    document = _planted(rng, source.text(rng, budget - overhead), facts)
+    answer = rng.choice((facts[0], values[word]))
+    return _chat("strings", _layout(rng, document, question), answer)
 
 
 def continuation(rng: random.Random, source: TextSource, budget: int) -> dict:
@@ -516,6 +574,8 @@ TASKS: dict[str, Callable[[random.Random, TextSource, int], dict]] = {
     "vartrack": vartrack,
     "multiquery": multiquery,
     "wordfreq": wordfreq,
+    "strings": strings,
+    "codedfreq": codedfreq,
     "continue": continuation,
     "instruct": instruct,
 }
