@@ -186,7 +186,7 @@ bench-vllm: vllm-venv
 	$(VLLM_VENV)/bin/speedkv bench --backend vllm --methods "speed:lcut=22,anchors=bos,deep=1" \
 		--lengths 2048,4096,8000 --max-new-tokens 32 --repeats 3 --dtype bfloat16 \
 		--out benchmarks/vllm/bench --readme benchmarks/vllm/bench/README.md
-	$(VLLM_VENV)/bin/python benchmarks/loadtest.py --backends speedkv,vllm --modes batched \
+	$(VLLM_VENV)/bin/speedkv measure loadtest --backends speedkv,vllm --modes batched \
 		--methods "full;speed:lcut=22,anchors=bos,deep=1" --clients 32 --max-tokens 32 --dtype bfloat16 \
 		--out benchmarks/vllm/serving
 
@@ -319,7 +319,7 @@ results: install
 # files and both runs' logs stay in runs/ruler-served/; about 4 min on 2 cores).
 .PHONY: ruler-served
 ruler-served: install
-	$(PY) benchmarks/ruler_served.py --model smollm2-135m --dtype bfloat16 --methods "full;speed:lcut=22,anchors=bos,deep=1" \
+	$(VENV)/bin/speedkv measure ruler-served --model smollm2-135m --dtype bfloat16 --methods "full;speed:lcut=22,anchors=bos,deep=1" \
 		--tasks niah_single_1,niah_multikey_1,vt,qa_1 --length 4096 --samples 4 --seed 0 \
 		--routes completion,chat --work runs/ruler-served --out benchmarks/ruler-served \
 		--command "make ruler-served"

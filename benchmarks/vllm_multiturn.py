@@ -34,7 +34,8 @@ from dataclasses import asdict, dataclass, fields
 from pathlib import Path
 
 import httpx
-from loadtest import Server, framed, parse_metrics, percentile, stream_one
+
+from speedkv.bench.measure.loadtest import Server, framed, parse_metrics, percentile, stream_one
 
 SYSTEM = (
     "You are a careful reading assistant. Answer questions about the document the user gives, "

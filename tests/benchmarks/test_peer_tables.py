@@ -73,9 +73,10 @@ def test_the_table_shows_every_engine_the_limit_and_the_rates(peers):
 
 
 def test_kernel_paths_table_takes_medians_and_names_a_revision_that_fails():
-    """benchmarks/kernel_paths_ab.py: medians over rounds per (revision, setting); a revision
+    """`speedkv measure kernel-paths-ab`: medians over rounds per (revision, setting); a revision
     that cannot run a setting on this machine gets a row that says why, not a crash."""
-    ab = load_benchmark("kernel_paths_ab")
+    from speedkv.bench.measure import kernel_paths_ab as ab
+
     figures = [{f"{m} 64": {"ttft_s": t, "tpot_ms": 10 * t} for m in ab.METHODS} for t in (1, 3, 2)]
     rows = [{"code": "this tree", "setting": "auto", "figures": f} for f in figures] + [
         {"code": "before (abc)", "setting": "auto", "figures": {"error": "RuntimeError: no bf16"}}

@@ -15,7 +15,6 @@ import sys
 import threading
 import time
 from collections.abc import Iterator
-from pathlib import Path
 
 import httpx
 import pytest
@@ -166,14 +165,13 @@ def test_tiktoken_loads_cl100k_base_offline(tmp_path):
 
 
 @pytest.mark.real_model
-def test_the_script_on_the_real_model_compares_and_stops_its_server(ruler_root, tmp_path):
-    """benchmarks/ruler_served.py end to end, as `make ruler-served` runs it, at 1K: its own
+def test_the_command_on_the_real_model_compares_and_stops_its_server(ruler_root, tmp_path):
+    """`speedkv measure ruler-served` end to end, as `make ruler-served` runs it, at 1K: its own
     `speedkv eval` and `speedkv serve` processes, RULER's client and scorer; the server is gone
     afterwards. It reads the session's RULER samples, as a user's second run reads the first's."""
-    repo = Path(__file__).resolve().parents[2]
     out = tmp_path / "out"
     command = [
-        sys.executable, str(repo / "benchmarks" / "ruler_served.py"), "--methods", "full",
+        sys.executable, "-m", "speedkv.cli.app", "measure", "ruler-served", "--methods", "full",
         "--tasks", "niah_single_1", "--length", str(LENGTH), "--samples", str(N),
         "--routes", "completion", "--ruler-data", str(ruler_root),
         "--work", str(tmp_path / "work"), "--out", str(out), "--dtype", "float32",

@@ -14,7 +14,9 @@ import httpx
 import openai
 import pytest
 
-from helpers import free_port, load_benchmark, stop_server, wait_until_healthy
+from speedkv.bench.measure.loadtest import parse_metrics
+
+from helpers import free_port, stop_server, wait_until_healthy
 
 ROOT = Path(__file__).resolve().parents[2]
 ADAPTER = ROOT / "adapters" / "smollm2-135m-speed22-bos"
@@ -85,7 +87,7 @@ def test_prompt_logprobs_are_refused(server):
 
 def prefix_cache_counters(base: str) -> tuple[float, float]:
     """vLLM's own prefix-cache counters: prompt tokens looked up, and found cached."""
-    values = load_benchmark("loadtest").parse_metrics(httpx.get(base + "/metrics", timeout=30).text)
+    values = parse_metrics(httpx.get(base + "/metrics", timeout=30).text)
     return values["vllm:prefix_cache_queries_total"], values["vllm:prefix_cache_hits_total"]
 
 

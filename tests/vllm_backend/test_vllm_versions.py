@@ -191,3 +191,16 @@ def test_a_config_missing_every_other_field_reads_as_defaults():
     bare = fake_config()
     del bare.compilation_config.pass_config, bare.scheduler_config.async_scheduling
     support.prepare(bare)
+
+
+def test_this_cpu_build_cannot_run_the_ray_executor():
+    """docs/vllm.md says where vLLM's CPU build stops with the Ray executor: its platform
+    declares no Ray device, and initialize_ray_cluster refuses such a platform. A build that
+    declares one fails here, so that SPEED under Ray is then run and checked for real."""
+    import inspect
+
+    from vllm.platforms import current_platform
+    from vllm.v1.executor.ray_utils import initialize_ray_cluster
+
+    assert current_platform.device_name == "cpu" and not current_platform.ray_device_key
+    assert "does not support ray" in inspect.getsource(initialize_ray_cluster)

@@ -16,6 +16,7 @@ from speedkv.cli import (
     generate,
     leaderboard,
     machine,
+    measure,
     prefix,
     serve,
     train,
@@ -29,7 +30,8 @@ app = typer.Typer(
     pretty_exceptions_enable=False,
     rich_markup_mode="markdown",  # docstrings wrap as paragraphs, not at their line breaks
 )
-for group in (generate, prefix, demo, bench, evals, leaderboard, analysis, train, serve, machine):
+for group in (generate, prefix, demo, bench, evals, leaderboard, analysis, train, serve, machine,
+              measure):  # fmt: skip
     app.add_typer(group.commands)
 
 

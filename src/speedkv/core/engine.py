@@ -36,7 +36,7 @@ from speedkv.log import log
 # Prefill rows per chunk. On a CPU the weight products of longer chunks run faster (oneDNN
 # blocks them better): SmolLM2 in bfloat16 prefilled 2048 and 8128 tokens in 0.88-1.03x the
 # time (three of four cells under 0.93x) with chunks of 2048 as with 1024, turn about in one
-# process, on an Intel Xeon with AMX (benchmarks/prefill_chunks.py).
+# process, on an Intel Xeon with AMX (speedkv measure prefill-chunks).
 # Elsewhere a chunk's attention mask grows with it, so the smaller chunk stays.
 CPU_CHUNK, CHUNK = 2048, 1024
 # When decode steps run as a recorded CUDA graph (core/graph_decode.py): "auto" on a GPU,

@@ -183,9 +183,9 @@ def _flash_runs(device: torch.device, dtype: torch.dtype, dim: int) -> bool:
 
 # Cache length from which decode attention on a CPU runs as matrix products. torch's CPU
 # attention kernel parallelises over heads, which leaves cores idle with SmolLM2's 3 KV heads.
-# Alone on 30 layers' caches (benchmarks/decode_attention.py), matrix products per KV head
+# Alone on 30 layers' caches (speedkv measure decode-attention), matrix products per KV head
 # were 1.3x faster at 4K tokens and 1.4-2x at 8K, as fast at 2K and slower at 1K; in the
-# engine's decode step (benchmarks/decode_breakdown.py) attention at 8128 tokens fell 1.1x.
+# engine's decode step (speedkv measure decode-breakdown) attention at 8128 tokens fell 1.1x.
 MATMUL_FROM = 2048
 
 

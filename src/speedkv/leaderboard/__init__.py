@@ -6,6 +6,7 @@ plans.py says what each board measures (a Plan per model and length) and its swe
 runs the sweeps' parts side by side; archives.py keeps each part's answers beside its board;
 rows.py reads the runs into rows (one per method, adapter, setting and length); published.py
 reads and writes a board's published rows; tables.py and plot.py draw them; render.py writes a
-board; run.py puts a run together; served.py is the served board's comparison. kvpress runs in
-its own environment, so its half stays a script (benchmarks/kvpress_peer.py) run by path.
+board; run.py puts a run together; served.py is the served board's comparison, and
+ruler_served.py makes that board (`speedkv measure ruler-served`). kvpress runs in its own
+environment, so its half stays a script (benchmarks/kvpress_peer.py) run by path.
 """

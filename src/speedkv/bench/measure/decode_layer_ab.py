@@ -1,6 +1,6 @@
 """Decode with each layer in one native call against the same layers in parts, turn about.
 
-    .venv/bin/python benchmarks/decode_layer_ab.py --lengths 2048,8128 --rounds 4
+    .venv/bin/speedkv measure decode-layer-ab --lengths 2048,8128 --rounds 4
 
 One engine, one process: for each prompt length and method, generates the same request
 `--rounds` times with the layers in one call (kernels/csrc/decode_layer.cpp) and as many times
@@ -36,8 +36,10 @@ def layers_in_parts():
         Backbone.layers_in_one_call = one_call  # type: ignore[method-assign]
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(
+        prog="speedkv measure decode-layer-ab", description=__doc__.splitlines()[0]
+    )
     parser.add_argument("--model", default="smollm2-135m")
     parser.add_argument("--lengths", default="2048,8128", help="prompt tokens, comma-separated")
     parser.add_argument("--methods", default="full;speed:lcut=22,anchors=bos,deep=1",
@@ -45,7 +47,7 @@ def main() -> None:
     parser.add_argument("--new-tokens", type=int, default=64)
     parser.add_argument("--rounds", type=int, default=4)
     parser.add_argument("--threads", type=int, default=2)
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
     torch.set_num_threads(args.threads)
     model = load_model(args.model, dtype="bfloat16", progress=False)
     engine = Engine(model, prepack=True)

@@ -5,7 +5,7 @@ the server's own TTFT of each (the per-choice `speedkv` field, from arrival to f
 and how many prompt tokens the second took from the cache.
 
     .venv/bin/speedkv serve --port 8011 &
-    .venv/bin/python benchmarks/prefix_ttft.py --url http://127.0.0.1:8011
+    .venv/bin/speedkv measure prefix-ttft --url http://127.0.0.1:8011
 
 A run tag opens the document, so a rerun against the same server starts cold again.
 """
@@ -44,14 +44,16 @@ def ask(client: httpx.Client, model: str, text: str, question: str, method: str)
     return response.json()
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(
+        prog="speedkv measure prefix-ttft", description=__doc__.split("\n\n")[0]
+    )
     parser.add_argument("--url", default="http://127.0.0.1:8000")
     parser.add_argument("--model", default="smollm2-135m")
     parser.add_argument("--tokens", type=int, default=4000, help="Document length, about.")
     parser.add_argument("--methods", default="full;speed:lcut=22,anchors=bos,deep=1")
     parser.add_argument("--api-key", default=None)
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
     headers = {"Authorization": f"Bearer {args.api_key}"} if args.api_key else {}
     text = document(args.tokens)
     print("| method | prompt tokens | TTFT first s | TTFT second s | second/first | reused |")

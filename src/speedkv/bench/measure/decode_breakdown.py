@@ -1,6 +1,6 @@
 """Where a decode step's milliseconds go: weight matmuls, attention, and the rest.
 
-    .venv/bin/python benchmarks/decode_breakdown.py --lengths 2048,8192 --steps 24
+    .venv/bin/speedkv measure decode-breakdown --lengths 2048,8192 --steps 24
 
 For each prompt length, mode (plain weights, prepacked weights) and method, prefills one
 prompt, then times decode steps with nothing else running (the step's wall time, median) and
@@ -10,8 +10,9 @@ inside the engine's decode-attention function, which the profiled steps wrap in 
 range, or the native attention kernel where a whole layer runs as one native call), and
 everything else (norms, rotary, residual adds, cache writes, Python) as the step's
 wall time minus those two. Prints a markdown table. Works on any checkout of speedkv on the
-path, so the same command measures an older engine (the prepacked mode is skipped where the
-engine has none).
+path, so this file run by path measures an older engine (`PYTHONPATH=OLD/src python
+src/speedkv/bench/measure/decode_breakdown.py`; the prepacked mode is skipped where the engine
+has none).
 """
 
 from __future__ import annotations
@@ -114,8 +115,10 @@ def measure(engine: Engine, ids: list[int], method: str, steps: int) -> dict:
     }
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(
+        prog="speedkv measure decode-breakdown", description=__doc__.split("\n\n")[0]
+    )
     parser.add_argument("--lengths", default="2048,8192")
     parser.add_argument("--methods", default="full;speed:lcut=22,anchors=bos,deep=1")
     parser.add_argument("--modes", default="plain,prepacked", help="plain and/or prepacked")
@@ -123,7 +126,7 @@ def main() -> None:
     parser.add_argument("--dtype", default="bfloat16")
     parser.add_argument("--weights", default="native", help="native or int8")
     parser.add_argument("--label", default="", help="a name for this engine in the table")
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
     model = load_model("smollm2-135m", dtype=args.dtype, progress=False)
     if args.weights != "native":
         from speedkv.hf.loading import with_weights

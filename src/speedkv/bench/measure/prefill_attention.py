@@ -1,7 +1,7 @@
 """Causal prefill attention alone: milliseconds per layer and TFLOP/s, speedkv's bfloat16
 kernel against torch's, by prompt length.
 
-    .venv/bin/python benchmarks/prefill_attention.py --lengths 512,2048,8192
+    .venv/bin/speedkv measure prefill-attention --lengths 512,2048,8192
 
 One layer's causal attention over a whole prompt (SmolLM2's shape by default: 9 query heads
 over 3 KV heads of 64), bfloat16, with the queries as the engine holds them (a transposed
@@ -38,8 +38,10 @@ def sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
 KERNELS = {"native": native, "torch": sdpa}
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(
+        prog="speedkv measure prefill-attention", description=__doc__.split("\n\n")[0]
+    )
     parser.add_argument("--lengths", default="512,2048,8192")
     parser.add_argument("--kernels", default=",".join(KERNELS))
     parser.add_argument("--heads", type=int, default=9)
@@ -47,7 +49,7 @@ def main() -> None:
     parser.add_argument("--head-dim", type=int, default=64)
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--threads", type=int, default=0, help="0: torch's default")
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
     if args.threads:
         torch.set_num_threads(args.threads)
     kernels = args.kernels.split(",")

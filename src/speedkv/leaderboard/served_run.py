@@ -6,13 +6,16 @@ scorer of NVIDIA's `nvidia-long-context-eval` over the RULER samples that
 the server, and compares the two sample by sample (speedkv.evals.ruler_served says how the
 routes lay out the prompts):
 
-    .venv/bin/python benchmarks/ruler_served.py --methods "full;speed" \\
+    .venv/bin/speedkv measure ruler-served --methods "full;speed" \\
         --tasks niah_single_1,niah_multikey_1,vt,qa_1 --length 4096 --samples 4 \\
         --out benchmarks/ruler-served          # make ruler-served
 
 Writes OUT/results.json (settings, per-task and per-sample rows with both answers) and
 OUT/table.md; the client's data, predictions and logs, the in-process run and the servers' logs
 stay under --work. The server is stopped on every exit, a failure or Ctrl-C included.
+
+It sits in the leaderboard layer, not in speedkv.bench.measure with the other measurements: it
+renders the served board (speedkv.leaderboard.served), which the bench layer may not import.
 """
 
 from __future__ import annotations
@@ -21,6 +24,7 @@ import argparse
 import contextlib
 import json
 import os
+import shlex
 import signal
 import socket
 import subprocess
@@ -40,7 +44,9 @@ NO_PROXY = urllib.request.build_opener(urllib.request.ProxyHandler({}))  # loopb
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(
+        prog="speedkv measure ruler-served", description=__doc__.split("\n\n")[0]
+    )
     parser.add_argument("--model", default="smollm2-135m")
     parser.add_argument("--methods", default="full;speed", help="';'-separated method specs")
     parser.add_argument("--tasks", default="niah_single_1,niah_multikey_1,vt,qa_1")
@@ -154,16 +160,17 @@ def stop(process: subprocess.Popen) -> None:
 
 
 # -- the run ----------------------------------------------------------------------------------
-def main(argv: list[str] | None = None) -> int:
+def main(argv: list[str] | None = None) -> None:
+    argv = sys.argv[1:] if argv is None else argv
     args = parse_args(argv)
+    args.command = args.command or shlex.join(["speedkv", "measure", "ruler-served", *argv])
     # SIGTERM (a killed make) unwinds like Ctrl-C, so the server is stopped
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(128 + signal.SIGTERM))
     try:
         run(args)
     except UserError as err:
         print(f"error: {err}", file=sys.stderr)
-        return 1
-    return 0
+        sys.exit(1)
 
 
 def run(args: argparse.Namespace) -> None:
@@ -195,9 +202,8 @@ def run(args: argparse.Namespace) -> None:
                 samples += per_sample
                 rows += per_task
 
-    command = args.command or "python benchmarks/ruler_served.py " + " ".join(sys.argv[1:])
     result = {
-        "command": command,
+        "command": args.command,
         "model": args.model,
         "dtype": inprocess["header"].get("dtype"),
         "tasks": tasks,
@@ -226,4 +232,4 @@ def run(args: argparse.Namespace) -> None:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    main()

@@ -9,9 +9,9 @@ complete (its finish chunk, `[DONE]`, exactly --max-tokens tokens since EOS is i
 request may fail. Reports throughput (generated tokens/s), the batching speed-up, TTFT and
 TPOT percentiles, and the peak KV bytes the server held.
 
-    .venv/bin/python benchmarks/loadtest.py --clients 32 --out runs/loadtest
-    .venv/bin/python benchmarks/loadtest.py --clients 8 --lengths 64,128 --max-tokens 16  # quick
-    .venv-vllm/bin/python benchmarks/loadtest.py --backends speedkv,vllm --modes batched \
+    .venv/bin/speedkv measure loadtest --clients 32 --out runs/loadtest
+    .venv/bin/speedkv measure loadtest --clients 8 --lengths 64,128 --max-tokens 16  # quick
+    .venv-vllm/bin/speedkv measure loadtest --backends speedkv,vllm --modes batched \
         --methods "full;speed:lcut=22,anchors=bos,deep=1" --out benchmarks/vllm/serving
 
 TTFT is measured by the client (request sent -> first content chunk), TPOT too (the rest of the
@@ -381,7 +381,9 @@ def markdown(runs: list[dict], gains: dict[str, float]) -> str:
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(
+        prog="speedkv measure loadtest", description=__doc__.split("\n\n")[0]
+    )
     parser.add_argument("--model", default="smollm2-135m")
     parser.add_argument(
         "--methods",

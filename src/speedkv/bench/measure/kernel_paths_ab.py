@@ -10,10 +10,11 @@ the rounds. Settings: `auto` (the measured kernel choice, bfloat16), `torch`
 `float32` (the measured choice on float32 weights: what `--dtype auto` loads on a CPU without
 AVX512-BF16 or AMX).
 
-    python benchmarks/kernel_paths_ab.py --before HEAD~3 --rounds 3 --out runs/kernel-paths-ab
-    python benchmarks/kernel_paths_ab.py --before 3f8b57f,HEAD --settings auto,torch,float32
+    speedkv measure kernel-paths-ab --before HEAD~3 --rounds 3 --out runs/kernel-paths-ab
+    speedkv measure kernel-paths-ab --before 3f8b57f,HEAD --settings auto,torch,float32
 
 Each earlier revision is checked out in a temporary git worktree and imported from there.
+The revisions are this checkout's: it runs from an editable install (`make install`).
 """
 
 from __future__ import annotations
@@ -28,7 +29,7 @@ import sys
 import tempfile
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[4]  # the checkout: ROOT/src/speedkv/bench/measure/
 SETTINGS = {
     "auto": {},
     "torch": {"SPEEDKV_KERNELS": "torch"},
@@ -63,6 +64,9 @@ def measure(lengths: list[int]) -> dict:
 
 def run_one(source: Path, setting: str, lengths: str) -> dict:
     env = {**os.environ, **SETTINGS[setting], "PYTHONPATH": str(source / "src")}
+    # this file run by path, not `-m speedkv.bench.measure.kernel_paths_ab`: earlier revisions
+    # may not have the module. Its top imports only the standard library, so the child's
+    # `speedkv` is the one on PYTHONPATH, the revision's own.
     command = [sys.executable, __file__, "--child", "--lengths", lengths]
     done = subprocess.run(command, env=env, capture_output=True, text=True)
     if done.returncode != 0:  # an earlier revision may not run a setting on this machine
@@ -95,19 +99,23 @@ def table(rows: list[dict], lengths: list[int]) -> str:
     return "\n".join(lines)
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(
+        prog="speedkv measure kernel-paths-ab", description=__doc__.split("\n\n")[0]
+    )
     parser.add_argument("--before", default="HEAD", help="earlier revisions (git), comma-separated")
     parser.add_argument("--settings", default=",".join(SETTINGS))
     parser.add_argument("--lengths", default="2048,8128")
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--out", type=Path, default=Path("runs/kernel-paths-ab"))
     parser.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
     lengths = [int(n) for n in args.lengths.split(",")]
     if args.child:
         print(json.dumps(measure(lengths)))
         return
+    if not (ROOT / ".git").exists():
+        parser.error(f"{ROOT} is not a git checkout: run this from an editable install")
     from speedkv.bench.paired import turn_about  # not at the top: children import older trees
 
     args.out.mkdir(parents=True, exist_ok=True)

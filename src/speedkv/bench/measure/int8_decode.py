@@ -1,7 +1,7 @@
 """Weight-only int8 against the model's native weights, in one process: TTFT and TPOT of the
 same prompts under each, turn about (speedkv.bench.paired), so the ratios are same-run figures.
 
-    .venv/bin/python benchmarks/int8_decode.py --lengths 2048,4096 --repeats 3 [--prepack]
+    .venv/bin/speedkv measure int8-decode --lengths 2048,4096 --repeats 3 [--prepack]
 
 Prints a markdown table: medians per method, length and weights, and int8 / native ratios.
 """
@@ -18,8 +18,10 @@ from speedkv.hf.loading import quantize_int8
 from speedkv.prompts.builders import chat_document
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(
+        prog="speedkv measure int8-decode", description=__doc__.split("\n\n")[0]
+    )
     parser.add_argument("--lengths", default="2048,4096")
     parser.add_argument("--methods", default="full;speed:lcut=22,anchors=bos,deep=1")
     parser.add_argument("--repeats", type=int, default=3)
@@ -28,7 +30,7 @@ def main() -> None:
     parser.add_argument(
         "--prepack", action="store_true", help="both decode prepacked, as the CLI does"
     )
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
     native = load_model("smollm2-135m", dtype=args.dtype, progress=False)
     # --prepack: both decode through a packed copy of their weights, as the CLI does (speedkv's
     # kernel where the CPU has AVX512-BF16, else oneDNN's for native weights)

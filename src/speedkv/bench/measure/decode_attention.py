@@ -1,7 +1,7 @@
 """Decode attention alone: milliseconds per layer and cache read rate, by kernel, batch size
 and cache length.
 
-    .venv/bin/python benchmarks/decode_attention.py --lengths 1024,2048,4096,8128 --batches 1,8,32
+    .venv/bin/speedkv measure decode-attention --lengths 1024,2048,4096,8128 --batches 1,8,32
 
 One query token per sequence (SmolLM2's shape by default: 9 query heads over 3 KV heads of 64)
 over a bfloat16 cache held as the engine holds it, a view into a buffer with room left. Each
@@ -67,8 +67,10 @@ def layer_caches(n: int, batch: int, args) -> list[tuple[list, list]]:
     ]
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(
+        prog="speedkv measure decode-attention", description=__doc__.split("\n\n")[0]
+    )
     parser.add_argument("--lengths", default="1024,2048,4096,8128")
     parser.add_argument("--batches", default="1", help="sequences per step, e.g. 1,8,32")
     parser.add_argument("--kernels", default=",".join(KERNELS))
@@ -79,7 +81,7 @@ def main() -> None:
     parser.add_argument("--room", type=int, default=128, help="spare rows in each cache buffer")
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--threads", type=int, default=0, help="0: torch's default")
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
     if args.threads:
         torch.set_num_threads(args.threads)
     kernels = args.kernels.split(",")
