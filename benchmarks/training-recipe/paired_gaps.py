@@ -52,12 +52,13 @@ def main() -> None:
     parser.add_argument("--speed", required=True, help="the SPEED spec as the records spell it")
     parser.add_argument("--base-speed", help="BASE's SPEED spec, where it differs from --speed")
     args = parser.parse_args()
-    rows = {
-        "untrained full": as_row(per_sample(args.base, "full")),
-        "untrained SPEED": as_row(per_sample(args.base, args.base_speed or args.speed)),
-        "trained full": as_row(per_sample(args.trained, "full")),
-        "trained SPEED": as_row(per_sample(args.trained, args.speed)),
+    found = {
+        "untrained full": per_sample(args.base, "full"),
+        "untrained SPEED": per_sample(args.base, args.base_speed or args.speed),
+        "trained full": per_sample(args.trained, "full"),
+        "trained SPEED": per_sample(args.trained, args.speed),
     }
+    rows = {name: as_row(scores) for name, scores in found.items() if scores}  # rows run
     for name, row in rows.items():
         print(f"{name}: {100 * row.average:.1f} ± {100 * row.margin:.1f}")
     for a, b in (
@@ -66,6 +67,8 @@ def main() -> None:
         ("trained SPEED", "untrained SPEED"),
         ("trained full", "untrained full"),
     ):
+        if a not in rows or b not in rows:
+            continue
         gap, margin, paired = difference(rows[a], rows[b])
         print(f"{a} - {b}: {100 * gap:+.1f} ± {100 * margin:.1f}{' (paired)' if paired else ''}")
 
