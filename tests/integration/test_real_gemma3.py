@@ -2,7 +2,7 @@
 embeddings) in float32, where it is installed (`speedkv models --install gemma3-270m`; not part
 of `make test`'s downloads): on a prompt longer than the window, full attention is transformers'
 greedy, and SPEED at 75 % depth (13 of 18 layers) is the dense reference and holds the KV it
-says it does."""
+says it does (its local layers keep only what their window reaches)."""
 
 import pytest
 
@@ -56,5 +56,13 @@ def test_speed_at_three_quarters_depth_equals_the_dense_reference(engine, prompt
         engine.generate([Request(prompt_ids, make_policy(s, engine.shape), sampling)])[0]
         for s in (spec, "full")
     )
-    assert speed.layer_lengths == [n] * 13 + [2] * 5  # upper layers: BoS and the last token
-    assert speed.kv_bytes / full.kv_bytes == pytest.approx((13 * n + 5 * 2) / (18 * n))
+    # local layers keep the 511 rows the first new token sees; upper global ones BoS and the
+    # last token, upper local ones the last token (BoS is outside their window)
+    windows = engine.shape.windows
+    lower = [n if w is None else w - 1 for w in windows[:13]]
+    upper = [2 if w is None else 1 for w in windows[13:]]
+    assert speed.layer_lengths == lower + upper
+    assert full.layer_lengths == [n if w is None else w - 1 for w in windows]
+    assert speed.kv_bytes / full.kv_bytes == pytest.approx(
+        sum(lower + upper) / sum(full.layer_lengths)
+    )

@@ -36,10 +36,23 @@ def test_kv_bytes_match_the_analytic_count(tiny, lcut, anchors, A, D, dtype):
     assert per == 2 * 2 * 16 * (4 if dtype == torch.float32 else 2)
     assert model.dtype == dtype
     L = model.shape.num_layers
-    assert result.kv_bytes == analytic(L, lcut, N, A, D, 0, per)
-    # the last sampled token is never fed back, so new - 1 decode tokens hold K/V
-    assert result.kv_bytes_final == analytic(L, lcut, N, A, D, new - 1, per)
-    assert result.layer_lengths == [N] * lcut + [A + D] * (L - lcut)
+    if not model.shape.windowed:
+        assert result.kv_bytes == analytic(L, lcut, N, A, D, 0, per)
+        # the last sampled token is never fed back, so new - 1 decode tokens hold K/V
+        assert result.kv_bytes_final == analytic(L, lcut, N, A, D, new - 1, per)
+        assert result.layer_lengths == [N] * lcut + [A + D] * (L - lcut)
+    else:  # a windowed layer keeps the rows the first new token (at position N) can see
+        lengths = []
+        for layer in range(L):
+            rows = range(N) if layer < lcut else [*range(A), *range(N - D, N)]
+            window = model.shape.window(layer)
+            first = 0 if window is None else N - window + 1
+            lengths.append(sum(p >= first for p in rows))
+            # too few decode tokens for a layer to drop again while decoding
+            assert window is None or new < max(16, window // 4)
+        assert result.layer_lengths == lengths <= [N] * lcut + [A + D] * (L - lcut)
+        assert result.kv_bytes == sum(lengths) * per
+        assert result.kv_bytes_final == (sum(lengths) + L * (new - 1)) * per
     # buffers are sized for exactly what is kept plus the decode tokens to come
     assert result.kv_allocated_bytes == result.kv_bytes_final
 
@@ -51,8 +64,13 @@ def test_selfonly_keeps_only_anchors_in_upper_layers(tiny, tiny_engine):
         [Request(random_prompt(N), policy, SamplingParams(max_new_tokens=new))]
     )[0]
     per = tiny.shape.kv_bytes_per_token_layer(torch.float32)
-    assert result.layer_lengths == [N, N] + [1] * (L - 2)
-    assert result.kv_bytes_final == (2 * (N + new - 1) + (L - 2) * 1) * per
+    # a windowed layer keeps what the first new token (at position N) sees: in an upper one,
+    # the anchor only while it is inside the window
+    windows = [tiny.shape.window(layer) for layer in range(L)]
+    kept = [N if w is None else min(N, w - 1) for w in windows[:2]]
+    kept += [1 if w is None or w > N else 0 for w in windows[2:]]
+    assert result.layer_lengths == kept
+    assert result.kv_bytes_final == (sum(kept) + 2 * (new - 1)) * per
 
 
 def test_prefill_work_counts_and_flops(tiny, tiny_engine):

@@ -134,7 +134,8 @@ def test_windows_are_read_as_transformers_reads_them():
 def test_full_attention_on_a_windowed_model_equals_hf_generate(windowed, unwindowed, engine):
     """`full`, and SPEED at lcut = L, give transformers' own greedy tokens on a prompt six
     windows long; the window changes those tokens (so this fails on an engine that ignores
-    it), and the cache still holds every row in every layer."""
+    it). A windowed layer keeps only what the next token's window reaches, as transformers'
+    cache does; a layer without one keeps every row."""
     ids = random_prompt(N, seed=2)
     L = windowed.shape.num_layers
     specs = ["full", f"speed:lcut={L},anchors=bos,deep=1", f"speed:lcut={L},anchors=none,deep=5"]
@@ -143,7 +144,10 @@ def test_full_attention_on_a_windowed_model_equals_hf_generate(windowed, unwindo
         windowed.hf_model, ids, NEW, min_new_tokens=NEW
     )
     request = Request(ids, make_policy("full", windowed.shape), SamplingParams(NEW))
-    assert engine.generate([request])[0].layer_lengths == [N] * L
+    windows = [windowed.shape.window(layer) for layer in range(L)]
+    assert engine.generate([request])[0].layer_lengths == [
+        N if w is None else w - 1 for w in windows
+    ]
 
 
 def test_the_dense_reference_at_lcut_L_is_the_models_own_forward(windowed):
@@ -216,6 +220,34 @@ def test_a_question_on_a_cached_document_equals_the_dense_reference(windowed, en
     assert reused.reused_tokens == N
     assert reused.output_ids == hf_generate(windowed.hf_model, doc + question, NEW,
                                             min_new_tokens=NEW)  # fmt: skip
+
+
+def test_a_prefix_store_reuses_a_windowed_cache_only_where_its_windows_find_their_rows(windowed):
+    """A finished conversation's cache dropped what its windows left behind: the next turn,
+    which continues it from its end, reuses it; a prompt that shares only its first tokens
+    does not, and recomputes. Both equal transformers' tokens."""
+    from collections import OrderedDict
+
+    from speedkv.core.prefix import PrefixCache
+
+    store = PrefixCache(max_bytes=2**30)
+    engine = Engine(windowed, chunk_size=64, prefix_cache=store)
+    first, sampling = random_prompt(N, seed=21), SamplingParams(max_new_tokens=NEW, ignore_eos=True)
+    turn = engine.generate([Request(first, make_policy("full", windowed.shape), sampling)])[0]
+    finished = next(e for e in store._entries.values() if len(e) > N)  # prompt and answer
+    windows = [windowed.shape.window(layer) for layer in range(windowed.shape.num_layers)]
+    assert any(layer.dropped_below > 0 for layer in finished.cache.layers)
+    assert finished.cache.covers(windows, len(finished)) and not finished.cache.covers(windows, 40)
+    store._entries = OrderedDict((k, e) for k, e in store._entries.items() if e is finished)
+    ids = [*first, *turn.output_ids[:-1], *random_prompt(7, seed=22)]
+    again = engine.generate([Request(ids, make_policy("full", windowed.shape), sampling)])[0]
+    assert again.reused_tokens == len(finished)
+    assert again.output_ids == hf_generate(windowed.hf_model, ids, NEW, min_new_tokens=NEW)
+    store._entries = OrderedDict((k, e) for k, e in store._entries.items() if e is finished)
+    short = [*first[:40], *random_prompt(30, seed=23)]
+    fresh = engine.generate([Request(short, make_policy("full", windowed.shape), sampling)])[0]
+    assert fresh.reused_tokens == 0
+    assert fresh.output_ids == hf_generate(windowed.hf_model, short, NEW, min_new_tokens=NEW)
 
 
 # -- decode paths ----------------------------------------------------------------------------

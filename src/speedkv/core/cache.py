@@ -10,13 +10,17 @@ holds only anchors and decode-phase tokens, and the byte count says exactly that
 exist (live entries plus the room reserved for tokens still to be generated). Positions are
 bookkeeping (4 bytes per entry and head) and are counted by neither.
 
-A layer with a sliding window keeps every entry it computed, those that fell out of the window
-included: attention skips them by position (`window_start`, or a mask by position), so the
-byte counts are of what the cache really holds, and a cached prefix stays whole for prompts
-that extend it.
+A layer with a sliding window attends only to the entries inside it (by position: a run of
+slots from `window_start`, or a mask). A generating sequence under full attention or SPEED
+drops the entries its window has left behind (`KVCache.drop_out_of_window`), as transformers'
+cache does: after the prompt, then each time a quarter of a window more has fallen out. A layer
+remembers where it dropped (`dropped_below`), so a later prompt reuses its cache only from a
+position whose window finds every entry it needs (`KVCache.covers`).
 """
 
 from __future__ import annotations
+
+from collections.abc import Sequence
 
 import torch
 
@@ -30,6 +34,7 @@ class LayerKV:
         self.pos = torch.empty((heads, capacity), dtype=torch.int32, device=device)
         self.length = 0
         self.reads = 0  # entries read by decode-phase queries, summed over steps
+        self.dropped_below = 0  # entries at positions below this may have been dropped
         # whether the live entries are in increasing position order, the same in every head
         # (None: not checked since entries were last written out of decode order)
         self._ordered: bool | None = True
@@ -117,10 +122,21 @@ class LayerKV:
         k = torch.gather(keys, 1, gather)
         v = torch.gather(values, 1, gather)
         pos = torch.gather(positions, 1, index)
-        reads = self.reads
+        reads, dropped_below = self.reads, self.dropped_below
         self.__init__(heads, index.shape[1] + spare, dim, self.k.dtype, self.k.device)
         self.extend(k, v, pos)
-        self.reads = reads
+        self.reads, self.dropped_below = reads, dropped_below
+
+    def drop_before(self, first: int) -> None:
+        """Drop the live entries at positions below `first` (those a sliding window no longer
+        reaches), keeping the room reserved for decode tokens. Only for entries in position
+        order: anything else keeps them, and attention masks them by position."""
+        if first <= self.dropped_below or not self.in_order():
+            return
+        start = self.window_start(first)
+        self.dropped_below = first
+        if start:
+            self.keep(torch.arange(start, self.length, device=self.k.device))
 
     def evict(self, slots: torch.Tensor) -> None:
         """Drop one live entry per head (slots: [heads]); the last entry moves into its slot.
@@ -144,6 +160,7 @@ class LayerKV:
         wanted = self.positions()[0] < end  # entries are the same in every head
         count = int(wanted.sum())
         out = LayerKV(heads, count + room, dim, self.k.dtype, self.k.device)
+        out.dropped_below = self.dropped_below
         if bool(wanted[:count].all()):  # in position order (as reusable methods write): a slice
             out.extend(self.k[:, :count], self.v[:, :count], self.pos[:, :count])
         else:
@@ -158,6 +175,7 @@ class LayerKV:
         view = LayerKV.__new__(LayerKV)
         view.k, view.v, view.pos = self.k, self.v, self.pos
         view.length, view.reads, view._ordered = self.length, 0, self._ordered
+        view.dropped_below = self.dropped_below
         return view
 
     def nbytes(self) -> int:
@@ -213,6 +231,33 @@ class KVCache:
         """The cache as it is now, unaffected by later decode steps (see LayerKV.snapshot)."""
         views: dict[int, LayerKV] = {}
         return KVCache([views.setdefault(id(layer), layer.snapshot()) for layer in self.layers])
+
+    def drop_out_of_window(
+        self, windows: Sequence[int | None], position: int, slack: bool = False
+    ) -> bool:
+        """Drop, in each layer with a window (`windows[i]`, None for none), the entries that
+        the token at `position` and every later one no longer see. With `slack`, a layer drops
+        only once a quarter of its window (at least 16 entries) has fallen out since it last
+        did, so that decode copies a layer's entries rarely. Whether any layer dropped."""
+        dropped = False
+        for layer, window in zip(self.layers, windows):
+            if window is None:
+                continue
+            first = position - window + 1
+            wait = max(16, window // 4) if slack else 1
+            if first - layer.dropped_below >= wait:
+                before = layer.length
+                layer.drop_before(first)
+                dropped |= layer.length != before
+        return dropped
+
+    def covers(self, windows: Sequence[int | None], end: int) -> bool:
+        """Whether a prompt continuing this cache at position `end` finds every entry its
+        windows reach (none was dropped that a token at `end` would see)."""
+        return all(
+            layer.dropped_below <= (0 if window is None else max(0, end - window + 1))
+            for layer, window in zip(self.layers, windows)
+        )
 
     def decode_reads(self) -> int:
         """KV entries read by decode-phase queries, over all layers and steps."""

@@ -596,6 +596,10 @@ class Batch:
     def __init__(self, engine: Engine):
         self.engine = engine
         self.running: dict[object, _Sequence] = {}
+        # each layer's sliding window (None: none); generating sequences drop what falls out
+        shape = engine.shape
+        windows = [shape.window(layer) for layer in range(engine.depth)]
+        self.windows = windows if shape.windowed else None
         # the recorded step of the running sequences, in their order; dropped when one joins
         # or leaves (its shapes and caches are those of the batch it was recorded for)
         self._recorded: GraphDecode | None = None
@@ -632,9 +636,12 @@ class Batch:
         seq.cache, seq.first_position = done.cache, done.next_position
         seq.reused = start
         if engine.prefix_cache is not None and seq.policy.reusable:
-            # the prompt alone, for requests that arrive while this one decodes
+            # the prompt alone, for requests that arrive while this one decodes (whole: the
+            # sequence's own cache gets new buffers when it drops entries below)
             snapshot = CachedPrefix(list(request.ids), seq.policy.spec(), seq.cache.snapshot())
             engine.prefix_cache.insert(snapshot)
+        if self.windows is not None and seq.policy.reusable:
+            seq.cache.drop_out_of_window(self.windows, seq.first_position)
         seq.flops_prefill = prefill_flops(engine.shape, done.rows, done.pairs)
         seq.kv_first = seq.cache.nbytes()
         seq.lengths_first = seq.cache.lengths()
@@ -661,10 +668,21 @@ class Batch:
             shared = common_prefix(prefix.ids, request.ids)
             if shared == 0:
                 raise UserError("the prompt does not start with the cached prefix's tokens")
-            return prefix, min(shared, len(request.ids) - 1)  # the last token gives the logits
+            reuse = min(shared, len(request.ids) - 1)  # the last token gives the logits
+            if self.windows is not None and not prefix.cache.covers(self.windows, reuse):
+                raise UserError(
+                    f"the cached prefix dropped entries that a sliding window at token {reuse} "
+                    "still sees; the prompt must continue it from its end"
+                )
+            return prefix, reuse
         store = self.engine.prefix_cache
         if store is not None and policy.reusable:
-            found = store.lookup(request.ids, policy.spec())
+            windows = self.windows
+            found = store.lookup(
+                request.ids,
+                policy.spec(),
+                None if windows is None else lambda entry, n: entry.cache.covers(windows, n),
+            )
             if found is not None:
                 return found
         return None, 0
@@ -705,6 +723,12 @@ class Batch:
                 del self.running[seq.key]
                 self._finished(seq)
                 self._recorded = None
+            elif (
+                self.windows is not None
+                and seq.policy.reusable
+                and seq.cache.drop_out_of_window(self.windows, seq.next_pos, slack=True)
+            ):
+                self._recorded = None  # the layers that dropped have new buffers: record again
         return events
 
     def cancel(self, key: object) -> None:

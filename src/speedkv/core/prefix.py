@@ -10,7 +10,7 @@ it needs (copy-on-extend), so any number of requests can share one prefix.
 from __future__ import annotations
 
 from collections import OrderedDict
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 from speedkv.core.cache import KVCache
@@ -73,14 +73,20 @@ class PrefixCache:
         """Buffer bytes the cached prefixes hold."""
         return sum(entry.allocated_bytes() for entry in self._entries.values())
 
-    def lookup(self, ids: Sequence[int], method: str) -> tuple[CachedPrefix, int] | None:
+    def lookup(
+        self,
+        ids: Sequence[int],
+        method: str,
+        fits: Callable[[CachedPrefix, int], bool] | None = None,
+    ) -> tuple[CachedPrefix, int] | None:
         """The cached prefix sharing the most leading tokens with `ids` under `method`, and how
-        many of them to reuse; None when nothing long enough is cached."""
+        many of them to reuse; None when nothing long enough is cached. `fits(entry, reuse)`
+        may rule an entry out (one that dropped entries a window at `reuse` would see)."""
         best, best_key, shared = None, None, 0
         for key, entry in self._entries.items():
             if entry.method == method:
                 n = common_prefix(entry.ids, ids)
-                if n > shared:
+                if n > shared and (fits is None or fits(entry, min(n, len(ids) - 1))):
                     best, best_key, shared = entry, key, n
         reuse = min(shared, len(ids) - 1)
         if best is None or reuse < self.min_tokens:
