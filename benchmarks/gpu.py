@@ -17,10 +17,14 @@ newest a lent GPU machine has) and writes, under OUT:
 - `efficiency.json`: TTFT, TPOT (64 new tokens) and KV bytes per method and prompt length,
   batch 1, with same-run ratios against `full` and SPEED's layer limits; each method once
   through the engine as a user runs it (on a GPU its decode steps replay a recorded CUDA
-  graph, core/graph_decode.py), once (`+eager`) with every step's kernels launched from the
-  host, against `full+eager`, and once (`+flash`) with the recorded steps attending by flash
-  attention with a device length, against `full+flash`; a length or method that runs out of
-  memory, fails or comes past the time budget is recorded as such,
+  graph that attends by flash attention, core/graph_decode.py), and once per variant
+  (`--variants`), against `full` run the same way: `+eager` launches every step's kernels
+  from the host, `+matmul` records steps that attend by masked matrix products, and
+  `+chunk8192` prefills in chunks of 8192 rows; a length or method that runs out of memory,
+  fails or comes past the time budget is recorded as such,
+- `batch.json`: decode tokens a second of `full` and SPEED with 8 and 32 sequences of 16K and
+  32K tokens decoding together, each with its own prompt, with same-run ratios; a cell whose
+  caches would not fit in the device's memory is recorded as such,
 - `attention.json`: one decode query's attention over one layer's cache at the shortest and
   longest length, by the engine's kernel, by torch's fused attention with each backend, and
   by two kernels a recorded step could use (the length on the device),
@@ -106,11 +110,16 @@ RATIOS = {
     "kv_bytes_final": "kv_final_ratio",
 }
 TINY_LENGTHS = [64, 128]
+# the batched-decode part: sequences decoding together, each with its own prompt
+BATCHES, BATCH_LENGTHS, TINY_BATCHES = [8, 32], [16384, 32768], [2, 4]
 # a method name ending so decodes without recorded steps: every kernel launched from the host
 EAGER = "+eager"
-# ... and so decodes through recorded steps that attend by flash attention with a device length
-FLASH = "+flash"
-VARIANTS = (EAGER, FLASH)
+# ... and so decodes through recorded steps that attend by masked matrix products (the engine's
+# recorded steps attend by flash attention with device lengths where it agrees with them)
+MATMUL = "+matmul"
+# ... and so prefills in chunks of 8192 rows instead of the engine's 1024 on a GPU
+BIG_CHUNKS = "+chunk8192"
+VARIANTS = (EAGER, MATMUL, BIG_CHUNKS)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -132,18 +141,41 @@ def main(argv: list[str] | None = None) -> int:
         help="seconds the reference tests may take before they are stopped (default: no limit)",
     )
     p.add_argument(
-        "--skip", default="", help="parts to skip: exactness, efficiency, attention, profile"
+        "--variants",
+        default=",".join(VARIANTS),
+        help=f"the other ways each method runs, comma-separated (default {','.join(VARIANTS)})",
+    )
+    p.add_argument(
+        "--batches",
+        default="",
+        help="batch sizes for the batched-decode part, comma-separated (default 8,32; tiny: 2,4)",
+    )
+    p.add_argument(
+        "--batch-lengths", help="prompt lengths of the batched-decode part (default 16K,32K)"
+    )
+    p.add_argument(
+        "--batch-budget-s",
+        type=float,
+        default=300.0,
+        help="seconds the batched-decode part may take; later cells are skipped",
+    )
+    p.add_argument(
+        "--skip",
+        default="",
+        help="parts to skip: exactness, efficiency, batch, attention, profile",
     )
     p.add_argument("--wheels", type=Path, help="wheel files to install pytest from")
     p.add_argument(
         "--table",
         type=Path,
-        metavar="EFFICIENCY_JSON",
-        help="print an efficiency.json from an earlier run as a markdown table, and stop",
+        metavar="JSON",
+        help="print an efficiency.json or batch.json of an earlier run as a markdown table",
     )
     args = p.parse_args(argv)
     if args.table:
-        print(efficiency_table(json.loads(args.table.read_text())))
+        result = json.loads(args.table.read_text())
+        batched = any("batch" in row for row in result["runs"])
+        print(batch_table(result) if batched else efficiency_table(result))
         return 0
     if args.out is None:
         p.error("--out is required")
@@ -162,7 +194,7 @@ def main(argv: list[str] | None = None) -> int:
         write(args.out / "exactness.json", {**facts, **result})
         summaries = [v for k, v in result.items() if k.startswith("exactness")] or [{}]
         status = int(any(s.get("returncode") != 0 or s.get("failed", 1) > 0 for s in summaries))
-    if skip >= {"efficiency", "attention", "profile"}:
+    if skip >= {"efficiency", "batch", "attention", "profile"}:
         return status
     shape = TINY_SHAPE if args.tiny else PAPER_SHAPE
     lengths = (
@@ -172,15 +204,31 @@ def main(argv: list[str] | None = None) -> int:
     )
     new = args.new_tokens or (8 if args.tiny else 64)
     start = time.perf_counter()
-    model = random_model(shape, max(lengths) + new, args.device)
+    model = random_model(shape, max(lengths + BATCH_LENGTHS) + new, args.device)
     log(f"random model built in {time.perf_counter() - start:.1f} s")
     lcut = shape["num_hidden_layers"] * 3 // 4  # the paper's 24 of 32
     methods = ["full", f"speed:lcut={lcut},anchors=bos,deep=1"]  # the paper's suffix
-    methods += [m + v for v in VARIANTS for m in methods]  # the same, decoding otherwise
+    variants = [v for v in VARIANTS if v in args.variants.split(",")]
+    methods += [m + v for v in variants for m in methods]  # the same, run otherwise
     if "efficiency" not in skip:
         path = args.out / "efficiency.json"
         result = efficiency(
             model, methods, lengths, new, args.budget_s,
+            save=lambda partial: path.write_text(json.dumps({**facts, "shape": shape, **partial})),
+        )  # fmt: skip
+        write(path, {**facts, "shape": shape, **result})
+    if "batch" not in skip:
+        batches = [int(b) for b in args.batches.split(",") if b] or (
+            TINY_BATCHES if args.tiny else BATCHES
+        )
+        batch_lengths = (
+            [int(n) for n in args.batch_lengths.split(",")]
+            if args.batch_lengths
+            else (TINY_LENGTHS if args.tiny else BATCH_LENGTHS)
+        )
+        path = args.out / "batch.json"
+        result = batched_decode(
+            model, methods[:2], batches, batch_lengths, new, args.batch_budget_s,
             save=lambda partial: path.write_text(json.dumps({**facts, "shape": shape, **partial})),
         )  # fmt: skip
         write(path, {**facts, "shape": shape, **result})
@@ -333,7 +381,8 @@ def efficiency(
     engines = {
         "": Engine(model),
         EAGER: Engine(model, recorded_decode="never"),
-        FLASH: Engine(model, recorded_attention="flash"),
+        MATMUL: Engine(model, recorded_attention="matmul"),
+        BIG_CHUNKS: Engine(model, chunk_size=8192),
     }
     vocab, layers = model.shape.vocab_size, model.shape.num_layers
 
@@ -435,18 +484,51 @@ def timed_run(engine: Engine, method: str, ids: list[int], new: int) -> dict:
     return row
 
 
+# The chips' peak figures, from NVIDIA's H100 and H200 datasheets (SXM): HBM bandwidth, and
+# dense bfloat16 tensor throughput (the datasheets' 1,979 TFLOP/s counts 2:4 sparsity)
+CHIPS = {
+    "NVIDIA H200": {"bytes_per_s": 4.8e12, "flop_per_s": 989e12},
+    "NVIDIA H100 80GB HBM3": {"bytes_per_s": 3.35e12, "flop_per_s": 989e12},
+}
+
+
+def layer_params(shape: dict) -> int:
+    """Weights one layer multiplies by: Q, K, V, O and the gated MLP's three."""
+    hidden, dim = shape["hidden_size"], shape["head_dim"]
+    q = shape["num_attention_heads"] * dim
+    kv = shape["num_key_value_heads"] * dim
+    return hidden * (2 * q + 2 * kv) + 3 * hidden * shape["intermediate_size"]
+
+
+def bounds(shape: dict, method: str, n: int, kv_bytes: int, chip: dict) -> dict:
+    """The fastest the chip allows. TTFT: the prefill's matrix work (2 FLOPs a weight a row in
+    the layers that run the prompt, and causal attention's 2 * N^2 * heads * dim a layer) at
+    the chip's dense bfloat16 rate. TPOT: one step's bytes (every weight but the embedding
+    table, in bfloat16, and the cache after prefill) at the chip's memory bandwidth."""
+    layers = shape["num_hidden_layers"]
+    deep = layers if not method.startswith("speed") else int(method.split("lcut=")[1].split(",")[0])
+    heads_dim = shape["num_attention_heads"] * shape["head_dim"]
+    flops = deep * (2 * layer_params(shape) * n + 2 * n * n * heads_dim)
+    weights = 2 * (layers * layer_params(shape) + shape["vocab_size"] * shape["hidden_size"])
+    return {
+        "ttft_bound_s": flops / chip["flop_per_s"],
+        "tpot_bound_s": (weights + kv_bytes) / chip["bytes_per_s"],
+    }
+
+
 def efficiency_table(result: dict) -> str:
     """efficiency.json as a markdown table: one row per length and method, same-run ratios
-    against `full` decoding the same way (`+eager`: without recorded steps), and SPEED's
-    layer limits."""
+    against `full` run the same way, SPEED's layer limits, and on a chip of CHIPS the bounds
+    (`bounds`) with each time's multiple of them."""
     label = {"hf": "transformers `generate` (SDPA)"}
+    chip = CHIPS.get(result["device_name"])
     lines = [
         f"{result['device_name']}, torch {result['torch']}, transformers "
         f"{result['transformers']}; batch 1, {result['new_tokens']} new tokens.",
         "",
         "| prompt | method | TTFT s | TPOT ms | KV GiB | TTFT ratio | TPOT ratio | KV ratio "
-        "| KV limit | peak GiB |",
-        "| ---: | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |",
+        "| KV limit | TTFT bound s (x) | TPOT bound ms (x) |",
+        "| ---: | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |",
     ]
     for row in sorted(result["runs"], key=lambda r: r["length"]):
         n, method = row["length"], row["method"]
@@ -455,6 +537,13 @@ def efficiency_table(result: dict) -> str:
             continue
         kv = row["kv_bytes"] if row["kv_bytes"] is not None else row["kv_bytes_final"]
         limit = result["layer_limits"][str(n)]["kv"] if method.startswith("speed") else None
+        bound = ["", ""]
+        if chip and method != "hf":
+            b = bounds(result["shape"], method, n, kv, chip)
+            bound = [
+                f"{b['ttft_bound_s']:.2f} ({row['ttft_s'] / b['ttft_bound_s']:.2f}x)",
+                f"{1e3 * b['tpot_bound_s']:.2f} ({row['tpot_s'] / b['tpot_bound_s']:.2f}x)",
+            ]
         cells = [
             f"{n // 1024}K",
             label.get(method, f"`{method}`"),
@@ -466,10 +555,163 @@ def efficiency_table(result: dict) -> str:
                 for key in ("ttft_ratio", "tpot_ratio", "kv_ratio")
             ),
             f"{limit:.4f}" if limit else "",
-            f"{row.get('peak_gib', '')}",
+            *bound,
         ]
         lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines)
+
+
+def batch_table(result: dict) -> str:
+    """batch.json as a markdown table: decode tokens a second per cell, with the same-run
+    ratio against `full` and the step-time bound's tokens a second on a chip of CHIPS."""
+    chip = CHIPS.get(result["device_name"])
+    lines = [
+        f"{result['device_name']}, torch {result['torch']}; {result['new_tokens']} new tokens "
+        "a sequence; tokens/s over every decode step (the recording included), and from the "
+        "second step (replays only).",
+        "",
+        "| prompt | batch | method | KV GiB | decode tokens/s | replays only | ratio "
+        "| bound tokens/s | peak GiB |",
+        "| ---: | ---: | --- | ---: | ---: | ---: | ---: | ---: | ---: |",
+    ]
+    for row in sorted(result["runs"], key=lambda r: (r["length"], r["batch"])):
+        n, batch, method = row["length"], row["batch"], row["method"]
+        head = f"| {n // 1024}K | {batch} | `{method}` |"
+        if row.get("status") != "ok":
+            lines.append(f"{head} {row['status']} |")
+            continue
+        bound = ""
+        if chip:  # one step reads the weights once and every sequence's cache
+            b = bounds(result["shape"], method, n, row["kv_bytes"], chip)
+            bound = f"{batch / b['tpot_bound_s']:.0f}"
+        ratio = row.get("tokens_per_s_ratio")
+        lines.append(
+            f"{head} {row['kv_bytes'] / 2**30:.1f} | {row['tokens_per_s']:.0f} | "
+            f"{row['tokens_per_s_replayed']:.0f} | {f'{ratio:.3f}' if ratio else ''} | "
+            f"{bound} | {row.get('peak_gib', '')} |"
+        )
+    return "\n".join(lines)
+
+
+# -- batches ------------------------------------------------------------------------------------
+def batched_decode(
+    model: LoadedModel,
+    methods: list[str],
+    batches: list[int],
+    lengths: list[int],
+    new: int,
+    budget_s: float,
+    save=lambda partial: None,
+) -> dict:
+    """Decode throughput of `full` against SPEED with `batch` sequences of `length` random
+    tokens decoding together, as the engine runs a list of requests: each prompt prefilled in
+    turn, then one decode step for the whole batch at a time (on a GPU, recorded). A cell
+    whose caches would not fit in the device's free memory is recorded as such, not run."""
+    engine = Engine(model)
+    shape = engine.shape
+    vocab = shape.vocab_size
+    rows, start = [], time.perf_counter()
+    for n in lengths:
+        for batch in batches:
+            for method in methods:
+                row = {"method": method, "length": n, "batch": batch}
+                need = batch * kv_entries(method, shape, n, new) * kv_entry_bytes(shape)
+                free = free_bytes(engine.device)
+                if time.perf_counter() - start > budget_s:
+                    row["status"] = "skipped: time budget"
+                elif free is not None and need + HEADROOM > free:
+                    row["status"] = (
+                        f"does not fit: its caches need {need / 2**30:.1f} GiB, "
+                        f"{free / 2**30:.1f} GiB free"
+                    )
+                else:
+                    prompts = [prompt(n, vocab, n + i) for i in range(batch)]
+                    row.update(timed_batch(engine, method, prompts, new))
+                rows.append(row)
+                save({"runs": rows})
+                log(f"{method} @ {n} x {batch}: {row.get('status')}, "
+                    f"{row.get('tokens_per_s')} tokens/s")  # fmt: skip
+    for row in rows:  # same-run ratios against full at the same length and batch
+        base = next(
+            (r for r in rows if r["method"] == "full" and r["length"] == row["length"]
+             and r["batch"] == row["batch"] and r.get("status") == "ok"),
+            None,
+        )  # fmt: skip
+        if base and row.get("status") == "ok":
+            for key in ("tokens_per_s", "tokens_per_s_replayed", "kv_bytes"):
+                row[f"{key}_ratio"] = row[key] / base[key]
+    return {"methods": methods, "new_tokens": new, "runs": rows,
+            "seconds": round(time.perf_counter() - start, 1)}  # fmt: skip
+
+
+# memory a batch needs beyond its caches: weights are already held; activations of one
+# prefill chunk, the packed copy of one layer when a step is recorded, the allocator's slack
+HEADROOM = 6 * 2**30
+
+
+def kv_entries(method: str, shape, n: int, new: int) -> int:
+    """Cache entries (over all layers, per KV head) one sequence holds at its last token."""
+    if method == "full":
+        return shape.num_layers * (n + new)
+    rule = make_policy(method, shape).rule
+    upper = int(rule.anchors) + int(rule.deep) + new
+    return rule.lcut * (n + new) + (shape.num_layers - rule.lcut) * upper
+
+
+def kv_entry_bytes(shape) -> int:
+    """Bytes of one entry's keys and values over all KV heads, in bfloat16."""
+    return 2 * shape.num_kv_heads * shape.head_dim * 2
+
+
+def free_bytes(device: torch.device) -> int | None:
+    """Free device memory (after emptying torch's cache), or None off a GPU."""
+    if device.type != "cuda":
+        return None
+    torch.cuda.empty_cache()
+    return torch.cuda.mem_get_info(device)[0]
+
+
+def timed_batch(engine: Engine, method: str, prompts: list[list[int]], new: int) -> dict:
+    """One batched generation: prefill time, decode time for the whole batch (the recording
+    counted, as in TPOT) and from the second step on (replays only), and tokens a second."""
+    device = engine.device
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats()
+    sampling = SamplingParams(max_new_tokens=new, ignore_eos=True)
+    requests = [Request(ids, make_policy(method, engine.shape), sampling) for ids in prompts]
+    batch, seen, kv = len(prompts), 0, 0
+    marks: dict[int, float] = {}
+    try:
+        sync(device)
+        marks[0] = time.perf_counter()
+        for event in engine.run(requests):
+            seen += 1
+            if seen in (batch, 2 * batch):  # every first token out; the first step taken
+                sync(device)
+                marks[seen] = time.perf_counter()
+            if event.finished is not None:
+                kv += event.finished.kv_bytes
+        sync(device)
+        end = time.perf_counter()
+    except torch.OutOfMemoryError as error:  # where, and torch's account of the memory
+        where = f"prefilling prompt {seen + 1}" if seen < batch else f"decoding, event {seen}"
+        return {"status": f"out of memory {where}", "error": str(error)[:600]}
+    except (RuntimeError, ValueError) as error:
+        log(f"{method} x {batch} failed: {error!r}")
+        return {"status": f"failed: {str(error).splitlines()[0][:200]}"}
+    decode_s = end - marks[batch]
+    replayed_s = end - marks[2 * batch]
+    row = {
+        "status": "ok",
+        "prefill_s": marks[batch] - marks[0],
+        "decode_s": decode_s,
+        "tokens_per_s": batch * (new - 1) / decode_s,
+        "tokens_per_s_replayed": batch * (new - 2) / replayed_s,
+        "kv_bytes": kv,
+    }
+    if device.type == "cuda":
+        row["peak_gib"] = round(torch.cuda.max_memory_allocated() / 2**30, 2)
+    return row
 
 
 # -- decode attention alone -----------------------------------------------------------------------
@@ -508,8 +750,8 @@ def decode_attention_kernels(shape: dict, lengths: list[int], device: str, calls
             torch.tensor([0, room], dtype=torch.int32, device=device),
         )
         buffers = {  # read through the whole buffer, as a recorded step must
-            "flash, device length (recordable)": lambda q, _k, _v, kb=k, vb=v, n=live, at=starts: (
-                live_flash_decode_attention(q, kb, vb, n, at)
+            "flash, device length (recordable)": functools.partial(
+                one_flash_query, k=k, v=v, live=live, starts=starts, width=room
             ),
             "matmul, masked (recordable)": lambda q, _k, _v, kb=k, vb=v, live=live: (
                 matmul_decode_attention(q, kb, vb, per_head=False, live=live)
@@ -538,6 +780,11 @@ def decode_attention_kernels(shape: dict, lengths: list[int], device: str, calls
             log(f"decode attention @ {n}, {name}: {row.get('us', row.get('unavailable'))}")
         del k, v
     return {"decode_attention": rows}
+
+
+def one_flash_query(q, _k, _v, k, v, live, starts, width) -> torch.Tensor:
+    """One sequence's query [heads, 1, D] through the batch kernel of a recorded step."""
+    return live_flash_decode_attention(q.transpose(0, 1), k, v, live, starts, width).transpose(0, 1)
 
 
 # -- where a step's time goes -------------------------------------------------------------------

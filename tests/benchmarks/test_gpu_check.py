@@ -1,7 +1,7 @@
 """benchmarks/gpu.py, the GPU check, runs here at a tiny shape on the CPU, so the command a GPU
 machine gets cannot rot: the reference tests pass through it, every efficiency run completes,
-SPEED's KV bytes are exactly its layer limit, the decode attention kernels agree, the profile
-names operators, and the results print as the docs' table."""
+SPEED's KV bytes are exactly its layer limit (alone and in batches), the decode attention
+kernels agree, the profile names operators, and the results print as the docs' table."""
 
 from __future__ import annotations
 
@@ -29,7 +29,7 @@ def test_the_gpu_check_runs_tiny_on_the_cpu(tmp_path):
     result = json.loads((tmp_path / "efficiency.json").read_text())
     runs = result["runs"]
     speed = "speed:lcut=3,anchors=bos,deep=1"
-    variants = [m + v for v in ("", "+eager", "+flash") for m in ("full", speed)]
+    variants = [m + v for v in ("", "+eager", "+matmul", "+chunk8192") for m in ("full", speed)]
     assert {r["method"] for r in runs} == {*variants, "hf"}
     assert all(r["status"] == "ok" for r in runs)
     for r in runs:
@@ -37,6 +37,13 @@ def test_the_gpu_check_runs_tiny_on_the_cpu(tmp_path):
             limit = result["layer_limits"][str(r["length"])]["kv"]
             assert abs(r["kv_ratio"] - limit) < 1e-12
         assert r["ttft_s"] > 0 and r["tpot_s"] > 0
+    batched = json.loads((tmp_path / "batch.json").read_text())["runs"]
+    assert {(r["batch"], r["length"]) for r in batched} == {(2, 64), (2, 128), (4, 64), (4, 128)}
+    assert all(r["status"] == "ok" and r["tokens_per_s"] > 0 for r in batched)
+    for r in batched:  # every sequence of the batch holds exactly SPEED's layer limit
+        if r["method"].startswith("speed"):
+            limit = result["layer_limits"][str(r["length"])]["kv"]
+            assert abs(r["kv_bytes_ratio"] - limit) < 1e-12
     profile = json.loads((tmp_path / "profile.json").read_text())
     assert profile["full"]["decode"]["top"] and profile["full"]["prefill"]["top"]
     assert profile["full"]["decode"]["host_top"]
@@ -50,6 +57,11 @@ def test_the_gpu_check_runs_tiny_on_the_cpu(tmp_path):
         capture_output=True, text=True, check=True, env=env, cwd=ROOT,
     ).stdout  # fmt: skip
     assert table.count("| `full` |") == 2 and "transformers `generate`" in table
+    batch_table = subprocess.run(
+        [sys.executable, "benchmarks/gpu.py", "--table", str(tmp_path / "batch.json")],
+        capture_output=True, text=True, check=True, env=env, cwd=ROOT,
+    ).stdout  # fmt: skip
+    assert batch_table.count("| `full` |") == 4 and "| 4 | `speed:lcut=3" in batch_table
 
 
 def test_without_speedkv_on_the_path_the_check_says_how_to_run_it(tmp_path):

@@ -42,8 +42,8 @@ def measure(
     ] = None,
 ) -> None:
     """Run a measurement behind benchmarks/'s figures (decode and prefill kernels, turn-about
-    engine runs, server load tests); `speedkv measure` lists them, `speedkv measure NAME
-    --help` gives one's options."""
+    engine runs, server load tests, paired RULER gaps); `speedkv measure` lists them,
+    `speedkv measure NAME --help` gives one's options."""
     if name is None or name in HELP_WORDS:
         print(listing())
         return

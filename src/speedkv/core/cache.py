@@ -184,6 +184,11 @@ class LayerKV:
     def allocated_bytes(self) -> int:
         return self.k.nbytes + self.v.nbytes
 
+    def is_view(self) -> bool:
+        """Whether the buffers are part of larger ones (a recorded step packs a batch's
+        buffers side by side, core/graph_decode.py): holding them holds the whole."""
+        return self.k.untyped_storage().nbytes() > self.k.nbytes
+
     def grow_to(self, capacity: int) -> None:
         """Room for `capacity` entries (a smaller number changes nothing); the live entries
         move to new buffers, the new slots are uninitialised."""
@@ -215,6 +220,10 @@ class KVCache:
 
     def allocated_bytes(self) -> int:
         return sum(layer.allocated_bytes() for layer in self.distinct())
+
+    def has_views(self) -> bool:
+        """Whether any layer's buffers are part of larger ones (LayerKV.is_view)."""
+        return any(layer.is_view() for layer in self.layers)
 
     def lengths(self) -> list[int]:
         return [layer.length for layer in self.layers]

@@ -43,11 +43,12 @@ CPU_CHUNK, CHUNK = 2048, 1024
 # "always" on any device (elsewhere the same fixed-shape step runs eagerly, for checks),
 # "never". SPEEDKV_RECORDED_DECODE sets the default.
 RECORDED_DECODE = ("auto", "always", "never")
-# How a recorded step attends: two masked matrix products (measured on an H200, docs/gpu.md),
-# or flash attention with a device length where it matches them on the batch's own cache
-# (faster alone on the H200, 204 against 324 us a layer at 128K; not yet timed in a recorded
-# step). SPEEDKV_RECORDED_ATTENTION sets the default.
-RECORDED_ATTENTION = ("matmul", "flash")
+# How a recorded step attends: flash attention with device lengths, the whole batch in one
+# call per layer, where it matches the masked matrix products on the batch's own cache (a
+# half-precision cache on a GPU; faster alone on the H200, 204 against 324 us a layer at
+# 128K); else, or asked for, two masked matrix products per sequence.
+# SPEEDKV_RECORDED_ATTENTION sets the default.
+RECORDED_ATTENTION = ("flash", "matmul")
 # A recording took 45-98 ms on an H200 at Llama-3.1-8B's shape, 4-8 of its steps, and saved
 # 5-32 ms a step against launching each kernel from the host
 # (benchmarks/gpu/h200/1-recorded-steps/efficiency.json, record_s): a batch records only when
@@ -166,7 +167,7 @@ class Engine:
     recorded CUDA graph per step instead of ~30 kernel launches per layer, once it will run
     at least MIN_RECORDED_STEPS steps unchanged (core/graph_decode.py; docs/gpu.md).
     `recorded_attention` (RECORDED_ATTENTION; default SPEEDKV_RECORDED_ATTENTION, else
-    "matmul"): how such a step attends."""
+    "flash" where it agrees with "matmul"): how such a step attends."""
 
     def __init__(
         self,
@@ -694,9 +695,10 @@ class Batch:
         if store is not None and seq.policy.reusable:
             ids = [*seq.request.ids, *seq.output[:-1]]  # the last token was never fed back
             cache = seq.cache
-            if cache.allocated_bytes() > 2 * cache.nbytes():
+            if cache.allocated_bytes() > 2 * cache.nbytes() or cache.has_views():
                 # room reserved for tokens it never generated (a stop before max_tokens) would
-                # count against the store's bound: keep a tight copy instead
+                # count against the store's bound, and a view of a batch's packed buffers
+                # would hold the whole batch's: keep a tight copy instead
                 cache = cache.prefix(len(ids), 0)
             store.insert(CachedPrefix(ids, seq.policy.spec(), cache))
 

@@ -11,11 +11,13 @@ in three ways:
 - each layer writes its new key and value at the slot a device tensor names (`index_copy_`),
   not at a slot the host indexes;
 - attention reads the layer's whole buffer and counts only the entries before the live
-  length, a device tensor: two matrix products that mask the rest
-  (`attention.matmul_decode_attention` with `live`), or, asked for (`flash`), flash
-  attention's variable-length form on a GPU in half precision where it gives the same output
-  on the batch's own cache; the buffer is widened to a multiple of WIDTH and its free slots
-  are zeroed first, so the masked ones are finite;
+  length, a device tensor. By default on a GPU in half precision it is flash attention's
+  variable-length form, for the whole batch in one call per layer: the batch's buffers of a
+  layer are first laid side by side in one buffer (`_pack`), and it runs only where it gives
+  the matrix products' output on the batch's own cache. Otherwise two matrix products per
+  sequence mask the rest (`attention.matmul_decode_attention` with `live`); the buffer is
+  widened to a multiple of WIDTH and its free slots are zeroed first, so the masked ones are
+  finite;
 - the token, the position and the live lengths are device tensors, advanced in place;
 - a layer with a sliding window masks, by position against the device position, the entries
   that fell out of it (always: the mask costs one comparison, and the window starts to bite
@@ -32,6 +34,7 @@ are refused with the reason. The engine's batches decode through it on a GPU
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any, Protocol
 
 import torch
@@ -54,6 +57,18 @@ WIDTH = 64
 _NO_FLASH: set[tuple[torch.device, torch.dtype]] = set()
 
 
+@dataclass
+class Packed:
+    """One layer's buffers of a whole batch, side by side (`GraphDecode._pack`)."""
+
+    k: torch.Tensor  # [kv_heads, B * width, D]
+    v: torch.Tensor
+    pos: torch.Tensor  # [kv_heads, B * width] int32
+    offsets: torch.Tensor  # [B] long: where each sequence's part starts
+    starts: torch.Tensor  # [B + 1] int32: the same, and the end, as flash attention takes them
+    width: int
+
+
 class Stepper(Protocol):
     """What a recorded step needs of the engine (core/engine.py records through this module,
     so it is named by what it offers, not imported)."""
@@ -66,8 +81,8 @@ class Stepper(Protocol):
 class GraphDecode:
     """`steps` decode steps for a fixed batch of prefilled caches, recorded as one CUDA graph
     on a GPU (`record`, default: on CUDA) and run eagerly elsewhere. `flash`: attend by flash
-    attention with a device length where it matches the matrix products (`attention` says
-    which runs)."""
+    attention with device lengths where it matches the matrix products (`attention` says
+    which runs; the engine asks for it by default)."""
 
     @torch.inference_mode()  # the caches are inference tensors
     def __init__(
@@ -86,23 +101,24 @@ class GraphDecode:
             if refusal:
                 raise ValueError(f"{policy.spec()}: {refusal}")
         device = engine.device
-        for cache in caches:
-            for kv in cache.layers:
-                kv.grow_to(-(-kv.capacity // WIDTH) * WIDTH)
-                kv.k[:, kv.length :].zero_()  # masked slots get weight 0: it must not meet NaN
-                kv.v[:, kv.length :].zero_()
         self.tokens = torch.zeros(len(caches), dtype=torch.long, device=device)
         self.positions = torch.tensor(positions, dtype=torch.long, device=device)
         self.live = torch.tensor([c.lengths() for c in caches], dtype=torch.long, device=device)
         self.bound = max(positions) + steps + 1  # above every position the steps will see
-        # flash's int32 offsets of a buffer of each width, and of the query (made before any
-        # recording: a recording cannot copy from the host)
-        widths = {kv.capacity for cache in caches for kv in cache.layers} if flash else ()
-        self.starts = {w: torch.tensor([0, w], dtype=torch.int32, device=device) for w in widths}
-        self.query_start = torch.tensor([0, 1], dtype=torch.int32, device=device)
-        # flash's window is by slot, and an upper SPEED layer's slots skip positions
-        windowed = engine.backbone.shape.windowed
-        self.attention = "flash" if flash and not windowed and self._flash_agrees() else "matmul"
+        # flash attention's query offsets (int32, made before any recording: a recording
+        # cannot copy from the host)
+        self.query_starts = torch.arange(len(caches) + 1, dtype=torch.int32, device=device)
+        self.packed: list[Packed] = []
+        self.attention = "matmul"
+        if flash and self._flash_may_run():
+            self.packed = [self._pack(layer) for layer in range(engine.depth)]
+            self.attention = "flash" if self._flash_agrees() else "matmul"
+        else:
+            for cache in caches:
+                for kv in cache.layers:
+                    kv.grow_to(-(-kv.capacity // WIDTH) * WIDTH)
+                    kv.k[:, kv.length :].zero_()  # masked slots get weight 0: never NaN
+                    kv.v[:, kv.length :].zero_()
         self.graph: torch.cuda.CUDAGraph | None = None
         self.logits: torch.Tensor | None = None
         if record if record is not None else device.type == "cuda":
@@ -146,6 +162,9 @@ class GraphDecode:
         cos, sin = cos[:, None, None, :], sin[:, None, None, :]
         for layer in range(self.engine.depth):
             q, k, v = bb.before_attention(layer, h, cos, sin)  # [B, heads, 1, D]
+            if self.attention == "flash":
+                h = bb.after_attention(layer, h, self._flash_layer(layer, q, k, v))
+                continue
             window = bb.shape.window(layer)
             outs = []
             for b, cache in enumerate(self.caches):
@@ -175,34 +194,98 @@ class GraphDecode:
         live: torch.Tensor,
         visible: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        if self.attention == "flash":  # never with a window (see __init__)
-            starts = (self.query_start, self.starts[k.shape[1]])
-            return live_flash_decode_attention(q, k, v, live.to(torch.int32), starts)
         return matmul_decode_attention(q, k, v, live=live, visible=visible)
 
+    def _flash_layer(
+        self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
+    ) -> torch.Tensor:
+        """One layer of the batch through flash attention: the new keys, values and positions
+        written into the packed buffers with one copy each, then one call for every sequence."""
+        pack = self.packed[layer]
+        slots = pack.offsets + self.live[:, layer]
+        pack.k.index_copy_(1, slots, k[:, :, 0].transpose(0, 1))  # [kv_heads, B, D]
+        pack.v.index_copy_(1, slots, v[:, :, 0].transpose(0, 1))
+        heads = pack.pos.shape[0]
+        pack.pos.index_copy_(1, slots, self.positions.to(torch.int32).expand(heads, -1))
+        live = (self.live[:, layer] + 1).to(torch.int32)
+        starts = (self.query_starts, pack.starts)
+        out = live_flash_decode_attention(q[:, :, 0], pack.k, pack.v, live, starts, pack.width)
+        return out[:, :, None]  # [B, heads, 1, D]
+
+    def _flash_may_run(self) -> bool:
+        """Whether flash attention could attend this batch: half-precision caches on a GPU,
+        one entry per KV head (flash reads the model's grouped heads itself), no sliding window
+        (flash's window counts slots, and an upper SPEED layer's slots skip positions), and
+        no earlier failure on this device and dtype."""
+        first = self.caches[0].layers[0].k
+        heads = self.engine.backbone.shape.num_kv_heads
+        return (
+            flash_takes(first)
+            and (first.device, first.dtype) not in _NO_FLASH
+            and not self.engine.backbone.shape.windowed
+            and all(kv.k.shape[0] == heads for c in self.caches for kv in c.layers)
+        )
+
+    def _pack(self, layer: int) -> Packed:
+        """The batch's buffers of one layer side by side in one buffer per tensor, each as
+        wide as the widest rounded up to WIDTH, its free slots zero; each sequence's layer
+        becomes a view of its part, so the rest of the engine sees its own cache as before.
+        This copies the layer once per recording (not for a single sequence whose buffer is
+        already that wide), and lets flash attention read the whole batch in one call."""
+        kvs = [cache.layers[layer] for cache in self.caches]
+        width = -(-max(kv.capacity for kv in kvs) // WIDTH) * WIDTH
+        first, batch = kvs[0], len(kvs)
+        if batch == 1 and first.capacity == width:
+            first.k[:, first.length :].zero_()
+            first.v[:, first.length :].zero_()
+            k, v, pos = first.k, first.v, first.pos
+        else:
+            heads, _, dim = first.k.shape
+            k = first.k.new_zeros((heads, batch * width, dim))
+            v = first.v.new_zeros((heads, batch * width, dim))
+            pos = first.pos.new_zeros((heads, batch * width))
+            for b, kv in enumerate(kvs):
+                start = b * width
+                part = slice(start, start + kv.length)
+                k[:, part], v[:, part], pos[:, part] = kv.keys(), kv.values(), kv.positions()
+                whole = slice(start, start + width)
+                kv.k, kv.v, kv.pos = k[:, whole], v[:, whole], pos[:, whole]
+        device = k.device
+        offsets = torch.arange(batch, dtype=torch.long, device=device) * width
+        starts = torch.arange(batch + 1, dtype=torch.int32, device=device) * width
+        return Packed(k, v, pos, offsets, starts, width)
+
     def _flash_agrees(self) -> bool:
-        """Whether flash attention with a device length may run this batch's attention: a
-        half-precision cache on a GPU, and on the first layer's own buffer the same output as
-        the matrix products (a torch without the entry point, or one that read past the
-        length, would differ: the free slots hold zeros, which would get weight)."""
-        kv = self.caches[0].layers[0]
-        if not flash_takes(kv.k) or kv.length == 0 or (kv.k.device, kv.k.dtype) in _NO_FLASH:
+        """Whether flash attention with device lengths gives, on the first layer of the
+        batch's own packed cache, what the matrix products give on each sequence's part (a
+        torch without the entry point, or one that read past a length, would differ: the free
+        slots hold zeros, which would get weight)."""
+        pack, kvs = self.packed[0], [cache.layers[0] for cache in self.caches]
+        if any(kv.length == 0 for kv in kvs):
             return False
-        g = torch.Generator(device=kv.k.device).manual_seed(0)
-        q = torch.randn(kv.k.shape[0], 1, kv.k.shape[2], generator=g, device=kv.k.device)
-        q = q.to(kv.k.dtype)
-        live = torch.tensor([kv.length], device=kv.k.device)
-        want = matmul_decode_attention(q, kv.k, kv.v, per_head=False, live=live).float()
-        starts = (self.query_start, self.starts[kv.capacity])
+        g = torch.Generator(device=pack.k.device).manual_seed(0)
+        heads = self.engine.backbone.shape.num_heads
+        q = torch.randn(len(kvs), heads, pack.k.shape[2], generator=g, device=pack.k.device)
+        q = q.to(pack.k.dtype)
+        want = torch.stack([
+            matmul_decode_attention(
+                q[b, :, None], kv.k, kv.v, per_head=False,
+                live=torch.tensor([kv.length], device=kv.k.device),
+            )[:, 0]
+            for b, kv in enumerate(kvs)
+        ]).float()  # fmt: skip
+        live = torch.tensor([kv.length for kv in kvs], dtype=torch.int32, device=q.device)
         try:
-            got = live_flash_decode_attention(q, kv.k, kv.v, live.to(torch.int32), starts)
+            got = live_flash_decode_attention(
+                q, pack.k, pack.v, live, (self.query_starts, pack.starts), pack.width
+            )
         except (RuntimeError, TypeError) as error:  # not in this torch, or not for this shape
-            _give_up_flash(kv.k, str(error).splitlines()[0])
+            _give_up_flash(pack.k, str(error).splitlines()[0])
             return False
         gap, scale = (got.float() - want).abs().max().item(), want.abs().max().item()
         if gap <= 1e-2 * max(1.0, scale):
             return True
-        _give_up_flash(kv.k, f"it differed from the matrix products by {gap:.3g} here")
+        _give_up_flash(pack.k, f"it differed from the matrix products by {gap:.3g} here")
         return False
 
     def _record(self) -> None:

@@ -272,21 +272,22 @@ def live_flash_decode_attention(
     v: torch.Tensor,
     live: torch.Tensor,
     starts: tuple[torch.Tensor, torch.Tensor],
+    width: int,
 ) -> torch.Tensor:
-    """`matmul_decode_attention(q, k, v, live=live)` through flash attention: one query per
-    head q [heads, 1, D] over the first `live` ([1] int32, on the device) entries of a cache
-    buffer k, v [kv_heads, width, D]. torch's variable-length entry point reads the length on
-    the device, so a recorded decode step can replay it while the cache grows. `starts`, made
-    once before recording: the int32 offsets [0, 1] of the query and [0, width] of the buffer.
+    """Masked decode attention through flash attention, for a whole batch in one call: one
+    query per sequence and head, q [B, heads, D], over cache buffers laid side by side in
+    k, v [kv_heads, B * width, D] (sequence b owns slots [b * width, (b + 1) * width)), of
+    which the first `live[b]` ([B] int32, on the device) count. torch's variable-length entry
+    point reads the lengths on the device, so a recorded decode step can replay it while the
+    caches grow. `starts`, made once before recording: the int32 offsets [0, 1, ..., B] of
+    the queries and [0, width, ..., B * width] of the buffers. Returns [B, heads, D].
 
-    On an H200, over one layer's 128K-token buffer of Llama-3.1-8B's shape, it took 204 us
-    against 324 us for the masked matrix products, and agreed with the per-head reference to
-    9.2e-5 (benchmarks/gpu/h200/3-engine/attention.json). graph_decode checks it against the
-    matrix products on the batch's own cache before it records with it."""
+    On an H200, over one layer's 128K-token buffer of Llama-3.1-8B's shape, one sequence took
+    204 us against 324 us for the masked matrix products, and agreed with the per-head
+    reference to 9.2e-5 (benchmarks/gpu/h200/3-engine/attention.json). graph_decode checks it
+    against the matrix products on the batch's own cache before it records with it."""
     query_starts, key_starts = starts
-    rows = q.transpose(0, 1).contiguous()  # [1, heads, D], as the kernel takes a query
-    out = _varlen_flash(
-        rows, k.transpose(0, 1), v.transpose(0, 1), query_starts, key_starts,
-        1, k.shape[1], 0.0, False, False, seqused_k=live,
+    return _varlen_flash(
+        q, k.transpose(0, 1), v.transpose(0, 1), query_starts, key_starts,
+        1, width, 0.0, False, False, seqused_k=live,
     )[0]  # fmt: skip
-    return out.transpose(0, 1)

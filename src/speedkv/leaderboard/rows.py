@@ -157,10 +157,14 @@ def without_setting(method: str) -> str:
 # -- reading runs ------------------------------------------------------------------------------
 def read_run(directory: Path) -> tuple[dict, list[dict]]:
     """A run's header and its RULER records (a line cut short by a killed run is skipped)."""
+    return read_records(directory / "records.jsonl")
+
+
+def read_records(path: Path) -> tuple[dict, list[dict]]:
+    """The header and RULER records of one records.jsonl, wherever it lies (see `read_run`)."""
     header: dict = {}
     records = []
-    path = directory / "records.jsonl"
-    for line in path.read_text().splitlines():
+    for line in path.read_text(encoding="utf-8").splitlines():
         try:
             item = json.loads(line)
         except json.JSONDecodeError:

@@ -17,8 +17,8 @@ from pathlib import Path
 
 from speedkv.errors import UserError
 
-# command name -> module; ruler-served renders a leaderboard, so it lives in that layer (a
-# string here, never an import: bench stays below the leaderboard)
+# command name -> module; ruler-served renders a leaderboard and paired-gaps takes its margins,
+# so both live in that layer (a string here, never an import: bench stays below the leaderboard)
 MEASUREMENTS: dict[str, str] = {
     "decode-attention": "speedkv.bench.measure.decode_attention",
     "decode-breakdown": "speedkv.bench.measure.decode_breakdown",
@@ -27,6 +27,7 @@ MEASUREMENTS: dict[str, str] = {
     "int8-decode": "speedkv.bench.measure.int8_decode",
     "kernel-paths-ab": "speedkv.bench.measure.kernel_paths_ab",
     "loadtest": "speedkv.bench.measure.loadtest",
+    "paired-gaps": "speedkv.leaderboard.paired_gaps",
     "prefill-attention": "speedkv.bench.measure.prefill_attention",
     "prefill-chunks": "speedkv.bench.measure.prefill_chunks",
     "prefix-ttft": "speedkv.bench.measure.prefix_ttft",

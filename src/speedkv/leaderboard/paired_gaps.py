@@ -1,0 +1,138 @@
+"""RULER averages and paired gaps between two `speedkv eval --tasks ruler` runs on the same
+samples (same seed and length), with the leaderboard's 95 % margins (Student's t below 10
+samples a task).
+
+    .venv/bin/speedkv measure paired-gaps BASE_DIR/records.jsonl TRAINED_DIR/records.jsonl \\
+        --speed "speed:lcut=22,anchors=bos,deep=1,selfonly=false"
+
+BASE is the untrained model's run, TRAINED the adapter's; each holds `full` and one SPEED spec,
+spelled as the records spell it (`--base-speed` where BASE's differs). It prints the average of
+each of the four rows a run holds, then the gaps between them, each paired on the samples both
+answered where every task shares two (speedkv.leaderboard.tables.difference). A row the records
+lack is left out with the gaps that need it (a note on stderr says which); a row short of a task
+is printed as incomplete, without gaps.
+
+It sits in the leaderboard layer, not in speedkv.bench.measure: its margins are the
+leaderboard's (speedkv.leaderboard.rows and tables), which the bench layer may not import.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+from pathlib import Path
+
+from speedkv.errors import UserError
+from speedkv.evals import ruler
+from speedkv.leaderboard.rows import Row, read_records
+from speedkv.leaderboard.tables import difference
+
+# (a, b): a's average less b's, in this order; a gap whose rows are not both there is skipped
+GAPS = (
+    ("trained SPEED", "untrained full"),
+    ("trained SPEED", "trained full"),
+    ("trained SPEED", "untrained SPEED"),
+    ("trained full", "untrained full"),
+)
+
+
+def per_sample(records: list[dict], method: str) -> dict[tuple[str, int], float]:
+    """(task, sample) -> score of `method`'s records; a sample recorded twice (a resumed run)
+    counts once, its latest."""
+    return {(r["task"], r["sample"]): r["score"] for r in records if r.get("method") == method}
+
+
+def as_row(scores: dict[tuple[str, int], float]) -> Row:
+    """A leaderboard Row from per-sample scores, keeping them so `difference` can pair them.
+    Only the averages and margins are read: the cost fields are placeholders."""
+    by_task = {t: [v for (task, _), v in scores.items() if task == t] for t in ruler.TASKS}
+    return Row(
+        method="",
+        engine="speedkv",
+        adapter=None,
+        setting="aware",
+        length=0,
+        # a task without samples has no score: the row is then incomplete (average None)
+        scores={t: statistics.fmean(v) for t, v in by_task.items() if v},
+        counts={t: len(v) for t, v in by_task.items()},
+        kv_ratio=1.0,
+        ttft_ratio=None,
+        extra={"per_sample": scores},
+    )
+
+
+def read_rows(
+    base: Path, trained: Path, speed: str, base_speed: str | None = None
+) -> tuple[dict[str, Row], list[str]]:
+    """The rows the two runs hold, by name (untrained/trained full/SPEED), and a note for each
+    row without records. UserError when neither run holds any of the four."""
+    runs = {path: read_records(path)[1] for path in (base, trained)}
+    # what each run does hold, for the note: a misspelt --speed is the usual reason
+    held = {path: ", ".join(sorted({r["method"] for r in runs[path]})) or "none" for path in runs}
+    wanted = {
+        "untrained full": (base, "full"),
+        "untrained SPEED": (base, base_speed or speed),
+        "trained full": (trained, "full"),
+        "trained SPEED": (trained, speed),
+    }
+    rows, notes = {}, []
+    for name, (path, method) in wanted.items():
+        scores = per_sample(runs[path], method)
+        if scores:
+            rows[name] = as_row(scores)
+        else:  # a run of `full` alone is usual (no untrained SPEED row): say so, go on
+            notes.append(
+                f"{name} left out: {path} holds no RULER records of {method!r} "
+                f"(its methods: {held[path]})"
+            )
+    if not rows:
+        raise UserError(
+            f"neither run holds RULER records of 'full' or {speed!r}; "
+            + "; ".join(f"{path} holds: {methods}" for path, methods in held.items())
+        )
+    return rows, notes
+
+
+def report(rows: dict[str, Row]) -> list[str]:
+    """Each row's average ± margin, then each gap ± its margin, in points."""
+    lines = []
+    for name, row in rows.items():
+        if row.average is None:
+            tasks = sum(1 for t in ruler.TASKS if row.counts.get(t))
+            lines.append(f"{name}: incomplete ({tasks} of {len(ruler.TASKS)} tasks answered)")
+        else:
+            lines.append(f"{name}: {100 * row.average:.1f} ± {100 * row.margin:.1f}")
+    for a, b in GAPS:
+        if a not in rows or b not in rows or None in (rows[a].average, rows[b].average):
+            continue
+        gap, margin, paired = difference(rows[a], rows[b])
+        lines.append(
+            f"{a} - {b}: {100 * gap:+.1f} ± {100 * margin:.1f}{' (paired)' if paired else ''}"
+        )
+    return lines
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(
+        prog="speedkv measure paired-gaps", description=__doc__.split("\n\n")[0]
+    )
+    parser.add_argument("base", type=Path, help="the untrained model's records.jsonl")
+    parser.add_argument("trained", type=Path, help="the adapter's records.jsonl")
+    parser.add_argument("--speed", required=True, help="the SPEED spec as the records spell it")
+    parser.add_argument("--base-speed", help="BASE's SPEED spec, where it differs from --speed")
+    args = parser.parse_args(argv)
+    for path in (args.base, args.trained):
+        if not path.is_file():
+            parser.error(f"{path}: no such file (give a run's records.jsonl)")
+    try:
+        rows, notes = read_rows(args.base, args.trained, args.speed, args.base_speed)
+    except UserError as err:
+        parser.error(str(err))
+    for note in notes:
+        print(f"note: {note}", file=sys.stderr)
+    print("\n".join(report(rows)))
+
+
+if __name__ == "__main__":
+    main()
