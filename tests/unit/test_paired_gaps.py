@@ -142,3 +142,16 @@ def test_help_names_the_command_and_its_options():
     assert done.exit_code == 0, done.output
     assert done.output.startswith("usage: speedkv measure paired-gaps")
     assert "--speed SPEED" in done.output and "--base-speed BASE_SPEED" in done.output
+
+
+def test_one_run_alone_gives_speeds_gap_to_its_own_full(tmp_path: Path):
+    """Without a trained run: the untrained rows and SPEED's paired gap to full (the trained
+    run's full row above, here as one run holding both)."""
+    run = write_run(tmp_path / "one.jsonl", {"full": 6, SPEED: 5})
+    rows, notes = paired_gaps.read_rows(run, None, SPEED)
+    assert notes == [] and set(rows) == {"untrained full", "untrained SPEED"}
+    assert paired_gaps.report(rows) == [
+        "untrained full: 60.0 ± 8.4",
+        "untrained SPEED: 50.0 ± 8.6",
+        "untrained SPEED - untrained full: -10.0 ± 5.4 (paired)",
+    ]

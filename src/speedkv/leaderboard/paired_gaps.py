@@ -5,12 +5,12 @@ samples a task).
     .venv/bin/speedkv measure paired-gaps BASE_DIR/records.jsonl TRAINED_DIR/records.jsonl \\
         --speed "speed:lcut=22,anchors=bos,deep=1,selfonly=false"
 
-BASE is the untrained model's run, TRAINED the adapter's; each holds `full` and one SPEED spec,
-spelled as the records spell it (`--base-speed` where BASE's differs). It prints the average of
-each of the four rows a run holds, then the gaps between them, each paired on the samples both
-answered where every task shares two (speedkv.leaderboard.tables.difference). A row the records
-lack is left out with the gaps that need it (a note on stderr says which); a row short of a task
-is printed as incomplete, without gaps.
+BASE is the untrained model's run, TRAINED (optional) the adapter's; each holds `full` and one
+SPEED spec, spelled as the records spell it (`--base-speed` where BASE's differs). It prints the
+average of each of the (up to four) rows the runs hold, then the gaps between them, each paired
+on the samples both answered where every task shares two (speedkv.leaderboard.tables.difference).
+A row the records lack is left out with the gaps that need it (a note on stderr says which); a
+row short of a task is printed as incomplete, without gaps.
 
 It sits in the leaderboard layer, not in speedkv.bench.measure: its margins are the
 leaderboard's (speedkv.leaderboard.rows and tables), which the bench layer may not import.
@@ -34,6 +34,7 @@ GAPS = (
     ("trained SPEED", "trained full"),
     ("trained SPEED", "untrained SPEED"),
     ("trained full", "untrained full"),
+    ("untrained SPEED", "untrained full"),
 )
 
 
@@ -63,19 +64,20 @@ def as_row(scores: dict[tuple[str, int], float]) -> Row:
 
 
 def read_rows(
-    base: Path, trained: Path, speed: str, base_speed: str | None = None
+    base: Path, trained: Path | None, speed: str, base_speed: str | None = None
 ) -> tuple[dict[str, Row], list[str]]:
     """The rows the two runs hold, by name (untrained/trained full/SPEED), and a note for each
     row without records. UserError when neither run holds any of the four."""
-    runs = {path: read_records(path)[1] for path in (base, trained)}
+    paths = (base,) if trained is None else (base, trained)
+    runs = {path: read_records(path)[1] for path in paths}
     # what each run does hold, for the note: a misspelt --speed is the usual reason
     held = {path: ", ".join(sorted({r["method"] for r in runs[path]})) or "none" for path in runs}
     wanted = {
         "untrained full": (base, "full"),
         "untrained SPEED": (base, base_speed or speed),
-        "trained full": (trained, "full"),
-        "trained SPEED": (trained, speed),
     }
+    if trained is not None:
+        wanted |= {"trained full": (trained, "full"), "trained SPEED": (trained, speed)}
     rows, notes = {}, []
     for name, (path, method) in wanted.items():
         scores = per_sample(runs[path], method)
@@ -118,12 +120,17 @@ def main(argv: list[str] | None = None) -> None:
         prog="speedkv measure paired-gaps", description=__doc__.split("\n\n")[0]
     )
     parser.add_argument("base", type=Path, help="the untrained model's records.jsonl")
-    parser.add_argument("trained", type=Path, help="the adapter's records.jsonl")
+    parser.add_argument(
+        "trained",
+        type=Path,
+        nargs="?",
+        help="the adapter's records.jsonl (without it: BASE's own rows and SPEED's gap to full)",
+    )
     parser.add_argument("--speed", required=True, help="the SPEED spec as the records spell it")
     parser.add_argument("--base-speed", help="BASE's SPEED spec, where it differs from --speed")
     args = parser.parse_args(argv)
     for path in (args.base, args.trained):
-        if not path.is_file():
+        if path is not None and not path.is_file():
             parser.error(f"{path}: no such file (give a run's records.jsonl)")
     try:
         rows, notes = read_rows(args.base, args.trained, args.speed, args.base_speed)
