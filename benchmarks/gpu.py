@@ -57,6 +57,7 @@ try:
     from speedkv.core.graph_decode import GraphDecode
     from speedkv.core.registry import make_policy
     from speedkv.core.sampling import SamplingParams
+    from speedkv.core.spec import split_spec
     from speedkv.hf.loading import LoadedModel
     from speedkv.kernels.attention import (
         decode_attention,
@@ -147,7 +148,6 @@ def main(argv: list[str] | None = None) -> int:
     )
     p.add_argument(
         "--batches",
-        default="",
         help="batch sizes for the batched-decode part, comma-separated (default 8,32; tiny: 2,4)",
     )
     p.add_argument(
@@ -197,11 +197,7 @@ def main(argv: list[str] | None = None) -> int:
     if skip >= {"efficiency", "batch", "attention", "profile"}:
         return status
     shape = TINY_SHAPE if args.tiny else PAPER_SHAPE
-    lengths = (
-        [int(n) for n in args.lengths.split(",")]
-        if args.lengths
-        else (TINY_LENGTHS if args.tiny else PAPER_LENGTHS)
-    )
+    lengths = ints(args.lengths) or (TINY_LENGTHS if args.tiny else PAPER_LENGTHS)
     new = args.new_tokens or (8 if args.tiny else 64)
     start = time.perf_counter()
     model = random_model(shape, max(lengths + BATCH_LENGTHS) + new, args.device)
@@ -218,14 +214,8 @@ def main(argv: list[str] | None = None) -> int:
         )  # fmt: skip
         write(path, {**facts, "shape": shape, **result})
     if "batch" not in skip:
-        batches = [int(b) for b in args.batches.split(",") if b] or (
-            TINY_BATCHES if args.tiny else BATCHES
-        )
-        batch_lengths = (
-            [int(n) for n in args.batch_lengths.split(",")]
-            if args.batch_lengths
-            else (TINY_LENGTHS if args.tiny else BATCH_LENGTHS)
-        )
+        batches = ints(args.batches) or (TINY_BATCHES if args.tiny else BATCHES)
+        batch_lengths = ints(args.batch_lengths) or (TINY_LENGTHS if args.tiny else BATCH_LENGTHS)
         path = args.out / "batch.json"
         result = batched_decode(
             model, methods[:2], batches, batch_lengths, new, args.batch_budget_s,
@@ -239,6 +229,11 @@ def main(argv: list[str] | None = None) -> int:
         plain = [m for m in methods if not m.endswith(VARIANTS)]
         write(args.out / "profile.json", {**facts, **profile(model, plain, min(lengths))})
     return status
+
+
+def ints(text: str | None) -> list[int]:
+    """A comma-separated list of integers; empty for none given."""
+    return [int(part) for part in (text or "").split(",") if part.strip()]
 
 
 # -- the reference tests on the device -----------------------------------------------------------
@@ -422,14 +417,9 @@ def efficiency(
             for key, ratio in RATIOS.items():
                 if row[key] is not None:
                     row[ratio] = row[key] / base[key]
-    speed = make_policy(methods[1], model.shape)
-    anchors, deep = speed.rule.anchors, int(speed.rule.deep)
+    lcut = make_policy(methods[1], model.shape).rule.lcut
     limits = {
-        n: {
-            "ttft": speed.rule.lcut / layers,
-            "kv": (speed.rule.lcut * n + (layers - speed.rule.lcut) * (anchors + deep))
-            / (layers * n),
-        }
+        n: {"ttft": lcut / layers, "kv": kv_entries(methods[1], model.shape, n, 0) / (layers * n)}
         for n in lengths
     }
     return {
@@ -506,7 +496,8 @@ def bounds(shape: dict, method: str, n: int, kv_bytes: int, chip: dict) -> dict:
     the chip's dense bfloat16 rate. TPOT: one step's bytes (every weight but the embedding
     table, in bfloat16, and the cache after prefill) at the chip's memory bandwidth."""
     layers = shape["num_hidden_layers"]
-    deep = layers if not method.startswith("speed") else int(method.split("lcut=")[1].split(",")[0])
+    name, options = split_spec(method.removesuffix(variant_of(method)))
+    deep = int(options["lcut"]) if name == "speed" else layers
     heads_dim = shape["num_attention_heads"] * shape["head_dim"]
     flops = deep * (2 * layer_params(shape) * n + 2 * n * n * heads_dim)
     weights = 2 * (layers * layer_params(shape) + shape["vocab_size"] * shape["hidden_size"])

@@ -53,6 +53,13 @@ from speedkv.log import log
 # against 16-18 ms over 131072 + 64 (benchmarks/gpu/h200/2-engine-odd-width and 3-engine):
 # buffers are widened to a multiple of this first.
 WIDTH = 64
+
+
+def recordable_width(entries: int) -> int:
+    """`entries` rounded up to a multiple of WIDTH: the width a recorded step's buffer takes."""
+    return -(-entries // WIDTH) * WIDTH
+
+
 # devices and dtypes where flash attention with a device length failed: not tried again
 _NO_FLASH: set[tuple[torch.device, torch.dtype]] = set()
 
@@ -116,7 +123,7 @@ class GraphDecode:
         else:
             for cache in caches:
                 for kv in cache.layers:
-                    kv.grow_to(-(-kv.capacity // WIDTH) * WIDTH)
+                    kv.grow_to(recordable_width(kv.capacity))
                     kv.k[:, kv.length :].zero_()  # masked slots get weight 0: never NaN
                     kv.v[:, kv.length :].zero_()
         self.graph: torch.cuda.CUDAGraph | None = None
@@ -160,10 +167,14 @@ class GraphDecode:
         h = bb.embed(self.tokens)[:, None, :]  # [B, 1, H]
         cos, sin = bb.rope(self.positions, bound=self.bound)
         cos, sin = cos[:, None, None, :], sin[:, None, None, :]
+        if self.attention == "flash":  # flash's int32 positions and lengths, once a step
+            positions = self.positions.to(torch.int32)
+            lengths = (self.live + 1).to(torch.int32).t().contiguous()  # [layers, B]
         for layer in range(self.engine.depth):
             q, k, v = bb.before_attention(layer, h, cos, sin)  # [B, heads, 1, D]
             if self.attention == "flash":
-                h = bb.after_attention(layer, h, self._flash_layer(layer, q, k, v))
+                out = self._flash_layer(layer, q, k, v, positions, lengths[layer])
+                h = bb.after_attention(layer, h, out)
                 continue
             window = bb.shape.window(layer)
             outs = []
@@ -180,34 +191,30 @@ class GraphDecode:
                 kv.pos.index_copy_(1, slot, position.expand(kv.pos.shape[0], 1))
                 # free slots hold stale positions; `live` masks them either way
                 visible = None if window is None else kv.pos >= position - (window - 1)
-                outs.append(self._attend(q[b], kv.k, kv.v, slot + 1, visible))
+                out = matmul_decode_attention(q[b], kv.k, kv.v, live=slot + 1, visible=visible)
+                outs.append(out)
             h = bb.after_attention(layer, h, torch.stack(outs))
         self.live += 1
         self.positions += 1
         return bb.logits(bb.final_norm(h[:, -1]))
 
-    def _attend(
+    def _flash_layer(
         self,
+        layer: int,
         q: torch.Tensor,
         k: torch.Tensor,
         v: torch.Tensor,
+        positions: torch.Tensor,
         live: torch.Tensor,
-        visible: torch.Tensor | None = None,
-    ) -> torch.Tensor:
-        return matmul_decode_attention(q, k, v, live=live, visible=visible)
-
-    def _flash_layer(
-        self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
     ) -> torch.Tensor:
         """One layer of the batch through flash attention: the new keys, values and positions
-        written into the packed buffers with one copy each, then one call for every sequence."""
+        ([B] int32) written into the packed buffers with one copy each, then one call for every
+        sequence, each counting its first `live` ([B] int32, the new entry included) entries."""
         pack = self.packed[layer]
         slots = pack.offsets + self.live[:, layer]
         pack.k.index_copy_(1, slots, k[:, :, 0].transpose(0, 1))  # [kv_heads, B, D]
         pack.v.index_copy_(1, slots, v[:, :, 0].transpose(0, 1))
-        heads = pack.pos.shape[0]
-        pack.pos.index_copy_(1, slots, self.positions.to(torch.int32).expand(heads, -1))
-        live = (self.live[:, layer] + 1).to(torch.int32)
+        pack.pos.index_copy_(1, slots, positions.expand(pack.pos.shape[0], -1))
         starts = (self.query_starts, pack.starts)
         out = live_flash_decode_attention(q[:, :, 0], pack.k, pack.v, live, starts, pack.width)
         return out[:, :, None]  # [B, heads, 1, D]
@@ -233,7 +240,7 @@ class GraphDecode:
         This copies the layer once per recording (not for a single sequence whose buffer is
         already that wide), and lets flash attention read the whole batch in one call."""
         kvs = [cache.layers[layer] for cache in self.caches]
-        width = -(-max(kv.capacity for kv in kvs) // WIDTH) * WIDTH
+        width = recordable_width(max(kv.capacity for kv in kvs))
         first, batch = kvs[0], len(kvs)
         if batch == 1 and first.capacity == width:
             first.k[:, first.length :].zero_()

@@ -20,7 +20,7 @@ from dataclasses import dataclass
 import torch
 
 from speedkv.core.cache import KVCache, LayerKV
-from speedkv.core.graph_decode import WIDTH
+from speedkv.core.graph_decode import recordable_width
 from speedkv.core.policy import Policy, PromptInfo, Stream
 from speedkv.hf.backbone import Backbone, in_window
 from speedkv.kernels.attention import prefill_attention
@@ -121,7 +121,7 @@ class PrefillRun:
             extra = sum(p.numel() for _, _, p in synthesised)
             room = extra + h.shape[0] + self.spare
             if h.device.type == "cuda":  # as wide as a recorded step takes it: no copy then
-                room = -(-room // WIDTH) * WIDTH
+                room = recordable_width(room)
             if self.base is not None:
                 kv = self.base.layers[layer].prefix(self.start, room)
             else:
