@@ -155,3 +155,39 @@ def test_one_run_alone_gives_speeds_gap_to_its_own_full(tmp_path: Path):
         "untrained SPEED: 50.0 ± 8.6",
         "untrained SPEED - untrained full: -10.0 ± 5.4 (paired)",
     ]
+
+
+def test_per_task_lists_every_task_and_names_the_largest_loss(tmp_path: Path):
+    """Each task's score in points and SPEED's paired per-task gaps; one task where SPEED
+    answers nothing is named as the largest loss against untrained full."""
+    base = write_run(tmp_path / "base.jsonl", {"full": 5})
+    trained = write_run(tmp_path / "trained.jsonl", {"full": 6, SPEED: 5})
+    records = trained.read_text().splitlines()
+    cwe = json.dumps({"method": SPEED, "task": "ruler/cwe", "length": 4096, "sample": 0,
+                      "score": 0.0})  # fmt: skip
+    trained.write_text("\n".join(records[:-1] + [cwe]) + "\n")  # sample 0 of cwe, its latest
+    rows, _ = paired_gaps.read_rows(base, trained, SPEED)
+    lines = paired_gaps.per_task(rows)
+    assert lines[0] == (
+        "| task | untrained full | trained full | trained SPEED | SPEED - untrained full "
+        "| SPEED - its own full |"
+    )
+    assert len(lines) == 2 + len(ruler.TASKS) + 1
+    assert "| niah_single_1 | 50.0 | 60.0 | 50.0 | +0.0 | -10.0 |" in lines
+    assert "| cwe | 50.0 | 60.0 | 40.0 | -10.0 | -20.0 |" in lines
+    assert lines[-1] == "largest per-task loss of trained SPEED against untrained full: cwe -10.0"
+
+
+def test_per_task_of_one_run_gives_speeds_gap_to_its_full(tmp_path: Path):
+    run = write_run(tmp_path / "one.jsonl", {"full": 6, SPEED: 5})
+    lines = paired_gaps.per_task(paired_gaps.read_rows(run, None, SPEED)[0])
+    assert lines[0] == "| task | untrained full | untrained SPEED | SPEED - full |"
+    assert "| qa_2 | 60.0 | 50.0 | -10.0 |" in lines
+    assert lines[-1].endswith("niah_single_1 -10.0")  # ties: the first task in RULER's order
+
+
+def test_the_per_task_flag_prints_the_table_after_the_gaps(runs, capsys):
+    paired_gaps.main([str(runs[0]), str(runs[1]), "--speed", SPEED, "--per-task"])
+    out = capsys.readouterr().out.splitlines()
+    assert out[: len(EXPECTED)] == EXPECTED and out[len(EXPECTED)] == ""
+    assert out[len(EXPECTED) + 1].startswith("| task | untrained full |")

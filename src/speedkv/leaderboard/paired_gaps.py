@@ -10,7 +10,8 @@ SPEED spec, spelled as the records spell it (`--base-speed` where BASE's differs
 average of each of the (up to four) rows the runs hold, then the gaps between them, each paired
 on the samples both answered where every task shares two (speedkv.leaderboard.tables.difference).
 A row the records lack is left out with the gaps that need it (a note on stderr says which); a
-row short of a task is printed as incomplete, without gaps.
+row short of a task is printed as incomplete, without gaps. `--per-task` adds a table of every
+task's score in each row and SPEED's per-task gaps, and names the task SPEED loses most on.
 
 It sits in the leaderboard layer, not in speedkv.bench.measure: its margins are the
 leaderboard's (speedkv.leaderboard.rows and tables), which the bench layer may not import.
@@ -115,6 +116,50 @@ def report(rows: dict[str, Row]) -> list[str]:
     return lines
 
 
+# per-task columns: SPEED's row (trained where there is one) against each full row
+TASK_GAPS = (("untrained full", "untrained full"), ("trained full", "its own full"))
+
+
+def per_task(rows: dict[str, Row]) -> list[str]:
+    """A markdown table of each task's score in every row, in points, and SPEED's gap to each
+    full row on the samples both answered; then the task SPEED loses most on against
+    untrained full (the issue's per-task bound is read from it)."""
+    speed = "trained SPEED" if "trained SPEED" in rows else "untrained SPEED"
+    gaps = [(full, label) for full, label in TASK_GAPS if full in rows and speed in rows]
+    if "trained SPEED" not in rows:  # one run: its full is SPEED's own
+        gaps = [(full, "full") for full, _ in gaps[:1]]
+    names = list(rows)
+    head = ["task", *names, *(f"SPEED - {label}" for _, label in gaps)]
+    lines = ["| " + " | ".join(head) + " |", "|---|" + "---:|" * (len(head) - 1)]
+    worst: tuple[float, str] | None = None
+    for task in ruler.TASKS:
+        cells = [task.removeprefix(ruler.PREFIX)]
+        for name in names:
+            score = rows[name].scores.get(task)
+            cells.append("" if score is None else f"{100 * score:.1f}")
+        for full, _ in gaps:
+            gap = task_gap(rows[speed], rows[full], task)
+            cells.append("" if gap is None else f"{100 * gap:+.1f}")
+            if gap is not None and full == "untrained full" and (worst is None or gap < worst[0]):
+                worst = (gap, cells[0])
+        lines.append("| " + " | ".join(cells) + " |")
+    if worst is not None:
+        lines.append(
+            f"largest per-task loss of {speed} against untrained full: "
+            f"{worst[1]} {100 * worst[0]:+.1f}"
+        )
+    return lines
+
+
+def task_gap(a: Row, b: Row, task: str) -> float | None:
+    """a's mean less b's on one task, over the samples both answered (None if none)."""
+    left, right = a.extra["per_sample"], b.extra["per_sample"]
+    shared = [key for key in left if key[0] == task and key in right]
+    if not shared:
+        return None
+    return statistics.fmean(left[key] - right[key] for key in shared)
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(
         prog="speedkv measure paired-gaps", description=__doc__.split("\n\n")[0]
@@ -128,6 +173,12 @@ def main(argv: list[str] | None = None) -> None:
     )
     parser.add_argument("--speed", required=True, help="the SPEED spec as the records spell it")
     parser.add_argument("--base-speed", help="BASE's SPEED spec, where it differs from --speed")
+    parser.add_argument(
+        "--per-task",
+        action="store_true",
+        help="also a markdown table of every task's score and SPEED's gaps to full, and the "
+        "task SPEED loses most on",
+    )
     args = parser.parse_args(argv)
     for path in (args.base, args.trained):
         if path is not None and not path.is_file():
@@ -139,6 +190,8 @@ def main(argv: list[str] | None = None) -> None:
     for note in notes:
         print(f"note: {note}", file=sys.stderr)
     print("\n".join(report(rows)))
+    if args.per_task:
+        print("\n" + "\n".join(per_task(rows)))
 
 
 if __name__ == "__main__":
