@@ -27,7 +27,7 @@ from pathlib import Path
 from speedkv.errors import UserError
 from speedkv.evals import ruler
 from speedkv.leaderboard.rows import Row, read_records
-from speedkv.leaderboard.tables import difference
+from speedkv.leaderboard.tables import difference, paired_by_task
 
 # (a, b): a's average less b's, in this order; a gap whose rows are not both there is skipped
 GAPS = (
@@ -131,6 +131,8 @@ def per_task(rows: dict[str, Row]) -> list[str]:
     names = list(rows)
     head = ["task", *names, *(f"SPEED - {label}" for _, label in gaps)]
     lines = ["| " + " | ".join(head) + " |", "|---|" + "---:|" * (len(head) - 1)]
+    # each full row's paired per-sample differences, by task, once
+    paired = {full: paired_by_task(rows[speed], rows[full]) or {} for full, _ in gaps}
     worst: tuple[float, str] | None = None
     for task in ruler.TASKS:
         cells = [task.removeprefix(ruler.PREFIX)]
@@ -138,7 +140,8 @@ def per_task(rows: dict[str, Row]) -> list[str]:
             score = rows[name].scores.get(task)
             cells.append("" if score is None else f"{100 * score:.1f}")
         for full, _ in gaps:
-            gap = task_gap(rows[speed], rows[full], task)
+            shared = paired[full].get(task)
+            gap = statistics.fmean(shared) if shared else None
             cells.append("" if gap is None else f"{100 * gap:+.1f}")
             if gap is not None and full == "untrained full" and (worst is None or gap < worst[0]):
                 worst = (gap, cells[0])
@@ -149,15 +152,6 @@ def per_task(rows: dict[str, Row]) -> list[str]:
             f"{worst[1]} {100 * worst[0]:+.1f}"
         )
     return lines
-
-
-def task_gap(a: Row, b: Row, task: str) -> float | None:
-    """a's mean less b's on one task, over the samples both answered (None if none)."""
-    left, right = a.extra["per_sample"], b.extra["per_sample"]
-    shared = [key for key in left if key[0] == task and key in right]
-    if not shared:
-        return None
-    return statistics.fmean(left[key] - right[key] for key in shared)
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -84,21 +84,29 @@ def difference(a: Row, b: Row) -> tuple[float, float, bool]:
     task: each task's mean difference over the samples both answered, with its spread, which
     is far smaller than two rows' own spreads where the methods agree on most samples.
     Otherwise the two margins combined as independent."""
-    mine, theirs = a.extra.get("per_sample"), b.extra.get("per_sample")
-    if mine and theirs:
-        by_task: dict[str, list[float]] = {}
-        for key in mine.keys() & theirs.keys():
-            by_task.setdefault(key[0], []).append(mine[key] - theirs[key])
-        if all(len(by_task.get(t, ())) >= 2 for t in ruler.TASKS):
-            tasks = len(ruler.TASKS)
-            gap = sum(statistics.fmean(by_task[t]) for t in ruler.TASKS) / tasks
-            parts = [
-                (statistics.variance(by_task[t]) / len(by_task[t]), len(by_task[t]))
-                for t in ruler.TASKS
-            ]
-            spread = sum(v for v, _ in parts)
-            return gap, critical_value(parts) * math.sqrt(spread) / tasks, True
+    by_task = paired_by_task(a, b)
+    if by_task is not None and all(len(by_task.get(t, ())) >= 2 for t in ruler.TASKS):
+        tasks = len(ruler.TASKS)
+        gap = sum(statistics.fmean(by_task[t]) for t in ruler.TASKS) / tasks
+        parts = [
+            (statistics.variance(by_task[t]) / len(by_task[t]), len(by_task[t]))
+            for t in ruler.TASKS
+        ]
+        spread = sum(v for v, _ in parts)
+        return gap, critical_value(parts) * math.sqrt(spread) / tasks, True
     return a.average - b.average, math.hypot(a.margin, b.margin), False
+
+
+def paired_by_task(a: Row, b: Row) -> dict[str, list[float]] | None:
+    """a's score less b's on each sample both answered, by task; None unless both rows kept
+    their per-sample scores."""
+    mine, theirs = a.extra.get("per_sample"), b.extra.get("per_sample")
+    if not (mine and theirs):
+        return None
+    by_task: dict[str, list[float]] = {}
+    for key in mine.keys() & theirs.keys():
+        by_task.setdefault(key[0], []).append(mine[key] - theirs[key])
+    return by_task
 
 
 def equal_kv_table(rows: list[Row], length: int) -> str:
