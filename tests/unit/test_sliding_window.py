@@ -169,7 +169,9 @@ def test_the_dense_reference_at_lcut_L_is_the_models_own_forward(windowed):
         (N, 0, ("sink:4", 4), 3, False),  # every layer upper: the sinks fall out of every window
         (N, 4, ("bos", 1), 64, False),  # a deep suffix longer than the window
         (N, 2, ("bos", 1), 1, True),  # SelfOnly: the anchor, when the window still holds it
-        (45, 2, ("bos", 1), 2, False),  # the window drops the anchor during decode
+        (45, 2, ("bos", 1), 2, False),  # shorter than the window: wholly at full depth
+        (60, 2, ("sink:4", 4), 2, False),  # a sink still in the deep suffix's window: full depth
+        (120, 3, ("sink:4", 4), 4, False),  # the sinks left the window before the deep suffix
     ],
 )
 def test_speed_on_a_windowed_model_equals_the_dense_reference(
@@ -194,10 +196,45 @@ def test_speed_on_a_windowed_model_equals_the_dense_reference(
         last - (0 if layer < lcut else first_deep) for layer in range(windowed.shape.num_layers)
     ]
     if any(w is not None and span >= w for span, w in zip(spans, windowed.shape.windows)):
-        plain, _ = speed_dense_forward(
-            unwindowed.backbone, sequence, n, lcut, count, deep, selfonly
-        )
+        # the same rows at full depth, attending without the window
+        keep = policy.rule.full_depth(torch.arange(len(sequence)), n, deep)
+        h, _ = speed_hidden(unwindowed.backbone, sequence, n, policy.rule, full_depth=keep)
+        plain = unwindowed.backbone.logits(h)
         assert (plain[positions >= n - 1] - dense).abs().max() > 1e-2
+
+
+@pytest.mark.parametrize("anchors", [0, 1, 4])
+@pytest.mark.parametrize("deep", [1, 2, 64])
+def test_an_upper_windowed_layer_sees_a_run_of_consecutive_rows(anchors, deep):
+    """What makes SPEED exact on a paged kernel's own window (vLLM's): under the rule, every
+    row an upper windowed layer computes sees a run of consecutive rows of those it holds,
+    and a deep row sees no anchor, or the prompt runs wholly at full depth."""
+    from speedkv.methods.speed import SpeedRule
+
+    rule = SpeedRule(lcut=2, anchors=anchors, deep=deep, window=WINDOW)
+    for prompt in range(1, 3 * WINDOW, 7):
+        pos = torch.arange(prompt + 10)  # the prompt and ten generated tokens
+        held = pos[rule.full_depth(pos, prompt, deep)]
+        seen = rule.upper_visibility(held, held, WINDOW)
+        for row in range(held.numel()):
+            index = seen[row].nonzero().squeeze(1)
+            assert torch.equal(index, torch.arange(int(index[0]), int(index[-1]) + 1))
+        if rule.deep_for(prompt, deep) < prompt:  # shallow rows between anchors and deep
+            assert not seen[held >= anchors][:, held < anchors].any()
+
+
+def test_a_short_prompt_on_a_windowed_model_runs_as_full_attention(windowed, engine):
+    """A prompt whose anchor would still sit in its deep suffix's window runs wholly at full
+    depth: SPEED's answer is full attention's, logits included."""
+    ids = random_prompt(40, seed=5)
+    speed = make_policy("speed:lcut=2,anchors=bos,deep=1", windowed.shape)
+    assert speed.rule.deep_for(len(ids), 1) == len(ids)
+    tokens, logits, _ = greedy_with_logits(engine, ids, speed, steps=NEW)
+    full_tokens, full_logits, _ = greedy_with_logits(
+        engine, ids, make_policy("full", windowed.shape), steps=NEW
+    )
+    assert tokens == full_tokens
+    assert torch.allclose(logits, full_logits, atol=1e-4, rtol=0)
 
 
 def test_a_question_on_a_cached_document_equals_the_dense_reference(windowed, engine):

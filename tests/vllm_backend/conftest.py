@@ -175,3 +175,25 @@ def fake_config(v2: bool = False, graphs=None, pipeline: int = 1, hf_config=None
                                          async_scheduling=None),  # fmt: skip
         kv_transfer_config=None, speculative_config=None, lora_config=None,
     )  # fmt: skip
+
+
+def save_tiny_checkpoint(config_cls, model_cls, directory, layers: int = 6, vocab: int = 512,
+                         **options):  # fmt: skip
+    """A random decoder of `layers` layers (hidden 128, 4 query and 2 KV heads of 32, vLLM's
+    CPU kernel's head size), its weights scaled so greedy choices are decisive, saved as an HF
+    directory; returns the model. Gemma 3's norms scale by 1 + weight (0 at init): they get a
+    spread instead."""
+    torch.manual_seed(0)
+    config = config_cls(vocab_size=vocab, hidden_size=128, intermediate_size=256,
+                        num_hidden_layers=layers, num_attention_heads=4, num_key_value_heads=2,
+                        max_position_embeddings=1024, tie_word_embeddings=False,
+                        bos_token_id=None, eos_token_id=None, **options)  # fmt: skip
+    model = model_cls(config).eval().requires_grad_(False)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if config.model_type == "gemma3_text" and name.endswith("norm.weight"):
+                p.normal_(0.0, 0.3)
+            else:
+                p.mul_(3.0)
+    model.save_pretrained(directory)
+    return model

@@ -69,7 +69,8 @@ class Replay:
             prefix = CachedPrefix(fed[:hit], cache.method, cache.cache)
             depth = {p for p in earlier if p < hit}
         prompt = len(ids)
-        depth |= set(range(max(hit, prompt - self.rule.deep_tokens(None, None)), prompt))
+        deep = self.rule.deep_for(prompt, self.rule.deep_tokens(None, None))
+        depth |= set(range(max(hit, prompt - deep), prompt))
         sampling = SamplingParams(max_new_tokens=self.new, ignore_eos=True)
         done = self.engine.generate([Request(ids, self.policy, sampling, None, None, prefix)])[0]
         assert done.reused_tokens == hit

@@ -20,7 +20,7 @@ from speedkv.errors import Unsupported
 from speedkv.hf.loading import wrap_model
 from speedkv.vllm.args import engine_args
 
-from conftest import LONG_TESTS, run_vllm, upper_rows, vllm_engine
+from conftest import LONG_TESTS, run_vllm, save_tiny_checkpoint, upper_rows, vllm_engine
 from test_vllm_prefix_cache import BLOCK, Replay, Served, check
 
 LENGTHS = [1, 3, 40, 129, 300, 380]
@@ -33,7 +33,7 @@ METHOD, ANCHORS, DEEP = "speed:lcut=4,anchors=sink:2,deep=3", 2, 3
 FAMILIES = {
     # head_dim: Qwen3's default is 128; vLLM's CPU kernel takes 32 (hidden 128 / 4 heads)
     "qwen3": (Qwen3Config, Qwen3ForCausalLM, {"head_dim": 32}, "SpeedQwen3ForCausalLM"),
-    # MistralConfig's default window is 4096: SPEED refuses windowed models (test_vllm_refusals)
+    # MistralConfig's default window is 4096: windowed models run in test_vllm_sliding_window
     "mistral": (MistralConfig, MistralForCausalLM, {"sliding_window": None},
                 "SpeedMistralForCausalLM"),
 }  # fmt: skip
@@ -44,17 +44,8 @@ def checkpoint(request, tmp_path_factory):
     """A random 6-layer model of the family (4 query, 2 KV heads of 32), its weights scaled so
     greedy choices are decisive, saved as an HF directory; and its SPEED architecture name."""
     config_cls, model_cls, options, arch = FAMILIES[request.param]
-    torch.manual_seed(0)
-    config = config_cls(vocab_size=VOCAB, hidden_size=128, intermediate_size=256,
-                        num_hidden_layers=LAYERS, num_attention_heads=4, num_key_value_heads=2,
-                        max_position_embeddings=1024, tie_word_embeddings=False,
-                        bos_token_id=None, eos_token_id=None, **options)  # fmt: skip
-    model = model_cls(config).eval().requires_grad_(False)
-    with torch.no_grad():
-        for p in model.parameters():
-            p.mul_(3.0)
     directory = tmp_path_factory.mktemp(f"tiny-{request.param}")
-    model.save_pretrained(directory)
+    model = save_tiny_checkpoint(config_cls, model_cls, directory, LAYERS, VOCAB, **options)
     return directory, model, arch
 
 

@@ -135,32 +135,42 @@ def speed_overrides(arch: str = "SpeedLlamaForCausalLM", **more):
 
 
 @pytest.mark.parametrize(
-    ("family", "options", "arch", "more"),
+    ("family", "options", "arch"),
     [
-        ("mistral", {"sliding_window": 64}, "SpeedLlamaForCausalLM", {}),
-        # a windowed Mistral (Mistral-7B-v0.1's config) under SPEED's own Mistral
-        ("mistral", {"sliding_window": 64}, "SpeedMistralForCausalLM", {}),
+        # a windowed Mistral (Mistral-7B-v0.1's config), under SPEED's Llama and its Mistral
+        ("mistral", {"sliding_window": 64}, "SpeedLlamaForCausalLM"),
+        ("mistral", {"sliding_window": 64}, "SpeedMistralForCausalLM"),
         # every layer sliding: vLLM's cache configuration carries the window
         ("qwen2", {"use_sliding_window": True, "sliding_window": 64, "max_window_layers": 0},
-         "SpeedQwen2ForCausalLM", {}),
+         "SpeedQwen2ForCausalLM"),
         # the upper two layers sliding: their layer types carry it
         ("qwen2", {"use_sliding_window": True, "sliding_window": 64, "max_window_layers": 2},
-         "SpeedQwen2ForCausalLM", {}),
-        # switched on in hf_overrides, after the config dropped its window
-        ("qwen2", {}, "SpeedQwen2ForCausalLM", {"use_sliding_window": True}),
+         "SpeedQwen2ForCausalLM"),
         # Qwen3 carries Qwen2's switch
         ("qwen3", {"use_sliding_window": True, "sliding_window": 64, "max_window_layers": 0,
-                   "head_dim": 32}, "SpeedQwen3ForCausalLM", {}),
+                   "head_dim": 32}, "SpeedQwen3ForCausalLM"),
     ],
 )  # fmt: skip
-def test_sliding_window_models_are_refused_at_llm(tmp_path, family, options, arch, more):
-    """`LLM(...)` with SPEED selected by hand on a sliding-window model: refused as the
-    configuration is built, before any weights are read (there are none)."""
+def test_sliding_window_models_start_without_prefix_caching(tmp_path, family, options, arch):
+    """SPEED selected by hand on a sliding-window model: the configuration builds, with the
+    window the rule reads and vLLM's prefix caching turned off (the windowed layout does not
+    record prefixes yet); asked for, it is refused (test_vllm_sliding_window.py)."""
+    model = tiny_config(tmp_path, family, **options)
+    config = EngineArgs(model=str(model), hf_overrides=speed_overrides(arch), dtype="float32",
+                        skip_tokenizer_init=True).create_engine_config()  # fmt: skip
+    assert support.sliding_window(config) == 64
+    assert config.cache_config.enable_prefix_caching is False
+
+
+def test_a_window_of_unknown_size_is_refused_at_llm(tmp_path):
+    """Qwen2's switch turned on in hf_overrides, after the config dropped its window: the
+    rule has no window to read."""
     from vllm import LLM
 
-    model = tiny_config(tmp_path, family, **options)
-    with pytest.raises(Unsupported, match="sliding-window attention") as refused:
-        LLM(model=str(model), hf_overrides=speed_overrides(arch, **more), dtype="float32",
+    model = tiny_config(tmp_path, "qwen2")
+    overrides = speed_overrides("SpeedQwen2ForCausalLM", use_sliding_window=True)
+    with pytest.raises(Unsupported, match="size of this model's sliding window") as refused:
+        LLM(model=str(model), hf_overrides=overrides, dtype="float32",
             skip_tokenizer_init=True, enforce_eager=True)  # fmt: skip
     assert "\n" not in str(refused.value)
 

@@ -165,7 +165,7 @@ def shared_logits(
 ) -> Iterable[tuple[int, torch.Tensor, torch.Tensor]]:
     """(cutoff, logits [m, vocab], positions [m]) for each cutoff, from one shared pass."""
     cutoffs = list(cutoffs)
-    rule = SpeedRule(backbone.shape.num_layers, anchors, deep)
+    rule = SpeedRule(backbone.shape.num_layers, anchors, deep, window=backbone.shape.largest_window)
     streams, positions = full_depth_streams(backbone, ids, prompt_len, rule)
     finals = upper_layers(backbone, streams, positions, cutoffs, rule)
     del streams
@@ -185,7 +185,7 @@ def separate_logits(
     deep: int = 1,
 ) -> Iterable[tuple[int, torch.Tensor, torch.Tensor]]:
     """The same, evaluating every cutoff on its own with the dense reference."""
-    rule = SpeedRule(backbone.shape.num_layers, anchors, deep)
+    rule = SpeedRule(backbone.shape.num_layers, anchors, deep, window=backbone.shape.largest_window)
     for cut in cutoffs:
         h, positions = speed_hidden(backbone, ids, prompt_len, rule.at(cut))
         logits = backbone.logits(h)

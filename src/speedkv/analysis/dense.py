@@ -71,5 +71,10 @@ def speed_dense_forward(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Logits (float32) [m, vocab] at every full-depth position of `ids` under SPEED with
     these options, and those positions [m]: `speed_hidden` followed by the LM head."""
-    h, pos = speed_hidden(backbone, ids, prompt_len, SpeedRule(lcut, anchors, deep, selfonly))
+    h, pos = speed_hidden(
+        backbone,
+        ids,
+        prompt_len,
+        SpeedRule(lcut, anchors, deep, selfonly, backbone.shape.largest_window),
+    )
     return backbone.logits(h), pos

@@ -144,7 +144,7 @@ def trace(
     """
     num_layers = backbone.shape.num_layers
     lcut = num_layers if lcut is None else lcut
-    rule = SpeedRule(lcut, anchors, deep)
+    rule = SpeedRule(lcut, anchors, deep, window=backbone.shape.largest_window)
     ids = torch.as_tensor(ids, dtype=torch.long, device=backbone.device).flatten()
     pos = torch.arange(ids.numel(), device=ids.device)
     h = backbone.embed(ids[None])

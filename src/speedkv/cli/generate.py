@@ -176,11 +176,16 @@ def generate_on_vllm(
                           "peak_rss_bytes": peak}))  # fmt: skip
         return
     print(record["text"])
+    kv = record["kv_bytes"]
+    blocks = (
+        "KV blocks not counted on a sliding-window model"
+        if kv is None
+        else f"KV blocks {kv / 2**20:.2f} MiB at first token"
+    )
     log(
         f"{len(record['output_ids'])} tokens ({record['finish_reason']}); "
         f"TTFT {record['ttft_s']:.3f} s, TPOT {record['tpot_s'] * 1000:.1f} ms, "
-        f"KV blocks {record['kv_bytes'] / 2**20:.2f} MiB at first token "
-        f"(this process's peak RSS {peak / 2**30:.2f} GiB)"
+        f"{blocks} (this process's peak RSS {peak / 2**30:.2f} GiB)"
     )
 
 

@@ -96,6 +96,11 @@ class ModelShape:
         """Whether any layer has a sliding window."""
         return any(w is not None for w in self.windows)
 
+    @property
+    def largest_window(self) -> int | None:
+        """The widest sliding window of any layer; None where no layer has one."""
+        return max((w for w in self.windows if w is not None), default=None)
+
     def kv_bytes_per_token_layer(self, dtype: torch.dtype) -> int:
         """Bytes of one token's key and value in one layer."""
         return 2 * self.num_kv_heads * self.head_dim * torch.empty((), dtype=dtype).element_size()

@@ -17,7 +17,11 @@ In upper layers a query therefore sees earlier anchors and earlier deep/generate
 because that is all those layers ever hold. On a model with sliding-window layers every layer
 keeps its window by absolute position, above the cut as below it: an upper windowed layer sees
 the full-depth rows inside its window, so an anchor leaves its view exactly when it would
-leave stock attention's.
+leave stock attention's. There, a prompt too short for its anchors to have left the widest
+window W before its deep suffix starts (prompt - deep < W + anchors - 1) runs wholly at full
+depth: SPEED then never needs an anchor and the deep rows in one window. That makes an upper
+windowed layer's view a run of consecutive full-depth rows, which paged attention kernels
+(vLLM's) compute exactly with their own window (`SpeedRule.deep_for`).
 
 A SPEED cache does not depend on what follows it, so it can be reused: a prompt that extends a
 cached prefix (another question about a cached document, the next turn of a chat) prefills
@@ -77,6 +81,7 @@ class SpeedRule:
     anchors: int = 1  # leading positions kept at full depth
     deep: int | str = DEFAULT_DEEP  # last prompt tokens kept at full depth, "header" or "turn"
     selfonly: bool = False  # upper-layer deep tokens see only themselves and the anchors
+    window: int | None = None  # the model's widest sliding window (ModelShape.largest_window)
 
     def __post_init__(self):
         if isinstance(self.deep, int) and self.deep < 1:
@@ -112,9 +117,25 @@ class SpeedRule:
             return max(1, turn_tokens or 1)
         return int(self.deep)
 
+    def deep_for(self, prompt_len: int, deep: int) -> int:
+        """The deep suffix a prompt of `prompt_len` tokens runs with: `deep`, or the whole
+        prompt on a model with a sliding window when an anchor would still be inside the
+        window of its first deep token (prompt_len - deep < window + anchors - 1). Then
+        no upper windowed layer ever shows a deep row an anchor together with deep rows, and
+        its view stays a run of consecutive rows; a longer prompt's anchors have left every
+        window by the deep suffix, as they leave stock attention's."""
+        if (
+            self.window is not None
+            and self.anchors
+            and prompt_len - deep < (self.window + self.anchors - 1)
+        ):
+            return prompt_len
+        return deep
+
     def full_depth(self, positions: torch.Tensor, prompt_len: int, deep: int) -> torch.Tensor:
-        """Bool, shaped like `positions`: the anchors, the last `deep` prompt tokens and every
-        later (generated) position."""
+        """Bool, shaped like `positions`: the anchors, the last `deep` prompt tokens (the
+        whole prompt where `deep_for` says so) and every later (generated) position."""
+        deep = self.deep_for(prompt_len, deep)
         return (positions < self.anchors) | (positions >= prompt_len - deep)
 
     def visibility(
@@ -164,7 +185,11 @@ class Speed(Policy):
             )
         config.anchors = resolve_anchors(config.anchors, shape)
         self.rule = SpeedRule(
-            config.lcut, parse_anchors(config.anchors), config.deep, config.selfonly
+            config.lcut,
+            parse_anchors(config.anchors),
+            config.deep,
+            config.selfonly,
+            shape.largest_window,
         )
         self.prompt_len, self.deep = 0, 1  # of the sequence being prefilled (set by begin)
 
@@ -174,7 +199,8 @@ class Speed(Policy):
 
     def begin(self, prompt: PromptInfo) -> None:
         self.prompt_len = prompt.end
-        self.deep = self.rule.deep_tokens(prompt.header_tokens, prompt.turn_tokens)
+        deep = self.rule.deep_tokens(prompt.header_tokens, prompt.turn_tokens)
+        self.deep = self.rule.deep_for(prompt.end, deep)
 
     def computed(self, layer: int, stream: Stream) -> torch.Tensor | None:
         if layer != self.lcut:  # above the cut the stream holds only full-depth rows already
@@ -213,9 +239,11 @@ class Speed(Policy):
             )
         if self.config.selfonly:
             raise UserError("selfonly=true runs its own prefill; it is not taken from full's")
-        deep = self.rule.deep_tokens(header_tokens, turn_tokens)
-        kept = len(full.ids) - deep
-        if kept < self.rule.anchors:
+        tokens = self.rule.deep_tokens(header_tokens, turn_tokens)
+        deep = self.rule.deep_for(len(full.ids), tokens)
+        # a prompt that runs wholly at full depth (deep_for) is the anchors, then deep rows
+        kept = len(full.ids) - deep if deep == tokens else self.rule.anchors
+        if not self.rule.anchors <= kept < len(full.ids):
             raise UserError(f"a {len(full.ids)}-token prompt has no room for anchors and deep")
         # lower layers are shared, not copied: a request extending a prefix copies what it reads
         layers = [

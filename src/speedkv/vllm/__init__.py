@@ -3,8 +3,8 @@
 - `args.py`: a speedkv method spec -> vLLM engine arguments (`engine_args`), with the checks,
 - `plugin.py`: the `vllm.general_plugins` entry point (registers the SPEED architectures),
 - `support.py`: which vLLM configurations SPEED runs, and one sentence for each it refuses,
-- `models.py`: SPEED variants of vLLM's Llama, Mistral, Qwen2 and Qwen3 (the layer loop that
-  skips rows),
+- `models.py`: SPEED variants of vLLM's Llama, Mistral, Qwen2, Qwen3 and Gemma 3 (the layer
+  loop that skips rows),
 - `stacks.py`: the two halves of that loop, each compiled by vLLM on its own,
 - `attention.py`: the upper layers' backend (compact metadata and K/V slots),
 - `metadata.py`: the rule for every field of vLLM's common attention metadata,

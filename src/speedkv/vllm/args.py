@@ -96,9 +96,12 @@ def engine_args(method: str, directory: str | Path) -> dict[str, Any]:
             f"layer slots per KV block; lcut={padding_free_lcut(shape.num_layers)} pads none "
             "(docs/vllm.md)"
         )
-    return {
+    args: dict[str, Any] = {
         "hf_overrides": settings.hf_overrides(shape.model_type),
         # which rows go up changes every step, so no CUDA graph may replay one step's tensors;
         # torch.compile stays on (each half of the layer loop is compiled: stacks.py)
         "compilation_config": {"cudagraph_mode": "NONE"},
     }
+    if shape.windowed:  # not yet with a sliding window (support.py)
+        args["enable_prefix_caching"] = False
+    return args

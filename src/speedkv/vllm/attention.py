@@ -33,6 +33,7 @@ from speedkv.vllm.compact import (
     compact_slots,
     full_depth_rows,
     requests_short_of_blocks,
+    segmented,
     step_positions,
 )
 from speedkv.vllm.metadata import check_fields, compact_metadata, to_device
@@ -82,7 +83,10 @@ class SpeedBuilderMixin:
                     "SPEED found a step whose rows are not each request's next positions in "
                     "order (speculative decoding or M-RoPE); it cannot place them"
                 )
-        layout = step.layout(common.num_reqs, self.speed.anchors, self.speed.deep)
+        # a compact group's spec carries the model's window and whether its layers have it
+        spec = self.kv_cache_spec
+        window = getattr(spec, "speed_window", None)
+        layout = step.layout(common.num_reqs, self.speed.anchors, self.speed.deep, window)
         found = full_depth_rows(positions, query_start, seq_lens, layout)
         real = (query_start[1:] - query_start[:-1]) > 0
         if bool((prompt_lens[real] <= 0).any()):
@@ -96,6 +100,8 @@ class SpeedBuilderMixin:
         # the KV manager's blocks, on the host: slots are in its unit, and reading the
         # device's table back would cost a sync on a GPU
         held = step.blocks_of(self.layer_names[0])
+        if getattr(spec, "speed_segmented", False):
+            found = segmented(found, layout, seq_lens[: common.num_reqs], held.block_size)
         blocks = torch.from_numpy(held.blocks_per_row[: common.num_reqs])
         short = requests_short_of_blocks(found, blocks, held.block_size)
         if short.numel():
@@ -105,7 +111,12 @@ class SpeedBuilderMixin:
             )
         table = torch.from_numpy(held.table[: common.num_reqs])
         slots = compact_slots(table, found, held.block_size)
-        compact = compact_metadata(common, found, slots)
+        if held.block_size % spec.block_size:
+            raise Unsupported(
+                f"SPEED cannot map KV manager blocks of {held.block_size} tokens onto kernel "
+                f"blocks of {spec.block_size}"
+            )
+        compact = compact_metadata(common, found, slots, held.block_size // spec.block_size)
         metadata = super().build(0, compact, fast_build, **kwargs)
         # pinned and non-blocking on a GPU: the host tensor is the builder's own (metadata.py)
         metadata.speed_rows = to_device(found.rows, common.query_start_loc.device)

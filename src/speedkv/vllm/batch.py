@@ -58,13 +58,14 @@ class StepFacts:
     hit_tokens: torch.Tensor | None = None
     hit_rows: torch.Tensor | None = None
 
-    def layout(self, num_reqs: int, anchors: int, deep: int) -> Layout:
-        """Where the step's first `num_reqs` requests put their full-depth rows."""
+    def layout(self, num_reqs: int, anchors: int, deep: int, window: int | None = None) -> Layout:
+        """Where the step's first `num_reqs` requests put their full-depth rows (`window`: the
+        model's widest sliding window, if it has one)."""
         prompts = self.prompt_lens[:num_reqs]
         if self.hit_tokens is None or self.hit_rows is None:
-            return Layout.of(prompts, anchors, deep)
+            return Layout.of(prompts, anchors, deep, window=window)
         return Layout.of(prompts, anchors, deep, self.hit_tokens[:num_reqs],
-                         self.hit_rows[:num_reqs])  # fmt: skip
+                         self.hit_rows[:num_reqs], window)  # fmt: skip
 
     def blocks_of(self, layer_name: str) -> GroupBlocks:
         for group in self.groups:

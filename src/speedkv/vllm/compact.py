@@ -12,6 +12,14 @@ computed at (docs/reuse.md): its cached compact rows stay as they are, and the r
 its new tokens. Both cases come down to two numbers per request (`Layout`): the position from
 which every token is full depth, and the compact index of that position.
 
+On a model with a sliding window, a prompt whose anchors would still be inside its first deep
+token's window runs wholly at full depth (`SpeedRule.deep_for`); any other request's deep rows
+see no anchor in a windowed layer. An upper windowed layer then sees a run of consecutive deep
+rows, and its kernel's own window over compact indices is the window over positions, provided
+the deep rows start a run of their own: in a windowed group the anchors fill a block of their
+own, and each request's step splits into an anchor segment and a deep segment, the latter
+reading its block table from the block after the anchors' (`segmented`).
+
 Pure torch, so the rule is tested without vLLM.
 """
 
@@ -32,6 +40,9 @@ class FullDepthRows:
     requests: torch.Tensor  # [k] requests with at least one full-depth row, ascending
     query_start: torch.Tensor  # [k + 1] where each kept request's rows start
     seq_lens: torch.Tensor  # [k] compact length of each kept request after this step
+    # [k] blocks of its request's table each entry skips (`segmented`: an entry is then a
+    # segment of a request, and `requests` may repeat); None: every entry starts at block 0
+    block_offset: torch.Tensor | None = None
 
     @property
     def count(self) -> int:
@@ -55,13 +66,16 @@ class Layout:
         deep: int,
         hit_tokens: torch.Tensor | None = None,
         hit_rows: torch.Tensor | None = None,
+        window: int | None = None,
     ) -> Layout:
         """The layout of requests with these prompt lengths. A request that reused
         `hit_tokens[i] > 0` tokens from the prefix cache holds `hit_rows[i]` compact rows for
         them, whatever depth history made them; its own deep suffix starts no earlier than its
-        first new token."""
+        first new token. `window`: the model's widest sliding window (`deep_from`)."""
         prompt_lens = prompt_lens.long()
         deep_from = (prompt_lens - deep).clamp(min=0)
+        if window is not None and anchors:
+            deep_from = torch.where(deep_from < window + anchors - 1, 0, deep_from)
         fresh_at = deep_from.clamp(max=anchors)
         if hit_tokens is None:
             return cls(deep_from, fresh_at)
@@ -91,15 +105,35 @@ class RequestLayout:
 
     @classmethod
     def of(cls, prompt_len: int, anchors: int, deep: int, hit_tokens: int = 0,
-           hit_rows: int = 0) -> RequestLayout:  # fmt: skip
-        deep_from = max(prompt_len - deep, 0)
+           hit_rows: int = 0, window: int | None = None) -> RequestLayout:  # fmt: skip
+        deep_from = deep_from_of(prompt_len, anchors, deep, window)
         if hit_tokens > 0:
             return cls(max(deep_from, hit_tokens), hit_rows)
         return cls(deep_from, min(deep_from, anchors))
 
-    def rows(self, seq_len: int) -> int:
-        """Compact rows of the request once it holds `seq_len` tokens."""
-        return min(seq_len, self.compact_at) + max(seq_len - self.deep_from, 0)
+    def rows(self, seq_len: int, anchor_slots: int = 0) -> int:
+        """Compact rows of the request once it holds `seq_len` tokens; with `anchor_slots`
+        (a segmented group's) the anchors fill that many rows once a deep row follows them."""
+        anchors = min(seq_len, self.compact_at)
+        if anchor_slots and anchors and seq_len > self.deep_from:
+            anchors = max(anchors, anchor_slots)
+        return anchors + max(seq_len - self.deep_from, 0)
+
+
+def deep_from_of(prompt_len: int, anchors: int, deep: int, window: int | None = None) -> int:
+    """Where a prompt's full-depth suffix starts: `deep` tokens from its end, or at 0 on a
+    model with a sliding window when an anchor would still be inside the window of the
+    suffix's first token (speedkv.methods.speed.SpeedRule.deep_for, the same rule)."""
+    deep_from = max(prompt_len - deep, 0)
+    if window is not None and anchors and deep_from < window + anchors - 1:
+        return 0
+    return deep_from
+
+
+def anchor_slots(anchors: int, block_size: int) -> int:
+    """Rows the anchors fill in a segmented (windowed) group: whole blocks, so that the deep
+    rows start a block."""
+    return -(-anchors // block_size) * block_size
 
 
 def compact_length(
@@ -165,6 +199,41 @@ def full_depth_rows(
     )
 
 
+def segmented(batch: FullDepthRows, layout: Layout, seq_lens: torch.Tensor,
+              block_size: int) -> FullDepthRows:  # fmt: skip
+    """`batch` for a windowed group: each request's anchor rows and deep rows become segments
+    of their own. An anchor segment sees the anchors; a deep segment sees the deep rows only,
+    from the first block after the anchors' (`block_offset`), so its compact indices count from
+    its first deep row and the kernel's window over them is the window over positions. Its rows
+    are written after the anchors' whole blocks (`anchor_slots`)."""
+    layout = layout.take(torch.arange(seq_lens.numel()))
+    owner = batch.row_request
+    compact_at = layout.compact_at[owner]
+    is_deep = batch.compact >= compact_at
+    anchored = compact_at > 0
+    skip = torch.where(anchored, -(-compact_at // block_size), 0)  # blocks the anchors fill
+    compact = torch.where(is_deep, skip * block_size + batch.compact - compact_at, batch.compact)
+    segment = owner * 2 + is_deep.long()
+    keys, counts = torch.unique_consecutive(segment, return_counts=True)
+    requests, deep = keys // 2, (keys % 2).bool()
+    query = torch.zeros(keys.numel() + 1, dtype=torch.int32)
+    query[1:] = counts.cumsum(0)
+    lengths = seq_lens[requests].long()
+    request_layout = layout.take(requests)
+    anchors_seen = torch.minimum(lengths, request_layout.compact_at)
+    deep_seen = (lengths - request_layout.deep_from).clamp(min=0)
+    first_row = query[:-1].long()
+    return FullDepthRows(
+        rows=batch.rows,
+        compact=compact,
+        row_request=owner,
+        requests=requests,
+        query_start=query,
+        seq_lens=torch.where(deep, deep_seen, anchors_seen).int(),
+        block_offset=torch.where(deep, skip[first_row], 0),
+    )
+
+
 def compact_slots(block_table: torch.Tensor, batch: FullDepthRows, block_size: int) -> torch.Tensor:
     """The cache slot of each full-depth row: compact index c of request r lives at
     `block_table[r, c // block_size] * block_size + c % block_size`, in the KV manager's
@@ -181,5 +250,7 @@ def requests_short_of_blocks(
     need more blocks than the KV manager gave them (`blocks_held[i]` blocks of `block_size`
     slots): writing their K/V would land in blocks nobody allocated."""
     needed = (batch.seq_lens.long() + block_size - 1) // block_size
+    if batch.block_offset is not None:
+        needed = needed + batch.block_offset
     held = blocks_held[batch.requests].long()
-    return batch.requests[needed > held]
+    return batch.requests[needed > held].unique()

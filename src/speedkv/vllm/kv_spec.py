@@ -33,7 +33,7 @@ from vllm.v1.core.single_type_kv_cache_manager import FullAttentionManager
 from vllm.v1.kv_cache_interface import AttentionSpec
 from vllm.v1.kv_cache_spec_registry import KVCacheSpecRegistry
 
-from speedkv.vllm.compact import RequestLayout
+from speedkv.vllm.compact import RequestLayout, anchor_slots
 from speedkv.vllm.prefix_index import FRESH, Record, block_key, index_of, state_after
 
 
@@ -43,6 +43,10 @@ class SpeedUpperSpec(AttentionSpec):
 
     speed_anchors: int
     speed_deep: int
+    # the model's widest sliding window (SpeedRule.deep_for), None without one; and whether
+    # this group's layers apply it (their anchors then fill blocks of their own: compact.py)
+    speed_window: int | None = None
+    speed_segmented: bool = False
 
     def max_memory_usage_bytes(self, vllm_config) -> int:
         # a one-token prompt generating up to the context keeps every row
@@ -87,7 +91,13 @@ class SpeedUpperManager(FullAttentionManager):
         prompt = self.prompt_lens.get(request_id, fallback_prompt)
         tokens, rows = hit if hit is not None else self.hits.get(request_id, (0, 0))
         spec = self.kv_cache_spec
-        return RequestLayout.of(prompt, spec.speed_anchors, spec.speed_deep, tokens, rows)
+        return RequestLayout.of(prompt, spec.speed_anchors, spec.speed_deep, tokens, rows,
+                                spec.speed_window)  # fmt: skip
+
+    @property
+    def _anchor_slots(self) -> int:
+        spec = self.kv_cache_spec
+        return anchor_slots(spec.speed_anchors, self.block_size) if spec.speed_segmented else 0
 
     def _new_hit(
         self, request_id: str, num_local_computed_tokens: int, blocks: Sequence[KVCacheBlock]
@@ -108,11 +118,11 @@ class SpeedUpperManager(FullAttentionManager):
         layout = self._layout(request_id, prefill_end, hit)
         return super().get_num_blocks_to_allocate(
             request_id,
-            layout.rows(num_tokens),
+            layout.rows(num_tokens, self._anchor_slots),
             new_computed_blocks,
             hit[1],
             hit[1],
-            layout.rows(num_tokens_main_model),
+            layout.rows(num_tokens_main_model, self._anchor_slots),
             apply_admission_cap=apply_admission_cap,
             prefill_end=prefill_end,
         )
@@ -137,8 +147,8 @@ class SpeedUpperManager(FullAttentionManager):
         layout = self._layout(request_id)
         return super().allocate_new_blocks(
             request_id,
-            layout.rows(num_tokens),
-            layout.rows(num_tokens_main_model),
+            layout.rows(num_tokens, self._anchor_slots),
+            layout.rows(num_tokens_main_model, self._anchor_slots),
         )
 
     def cache_blocks(self, request, num_tokens, retention_interval=None, *,
@@ -219,13 +229,21 @@ def register() -> None:
 register()
 
 
-def use_compact_spec(attention, anchors: int, deep: int) -> None:
+def use_compact_spec(attention, anchors: int, deep: int, window: int | None = None) -> None:
     """Give one upper attention layer the SPEED spec, built from the stock one it would have
-    (the instance's own method shadows its class's)."""
+    (the instance's own method shadows its class's). `window`: the model's widest sliding
+    window. A windowed layer's stock spec would be vLLM's sliding-window one, whose manager
+    frees blocks by position; this one frees none, and the kernel keeps applying the window."""
 
     def get_kv_cache_spec(vllm_config) -> SpeedUpperSpec:
         stock = type(attention).get_kv_cache_spec(attention, vllm_config)
         kept = {f.name: getattr(stock, f.name) for f in fields(AttentionSpec) if f.init}
-        return SpeedUpperSpec(**kept, speed_anchors=anchors, speed_deep=deep)
+        return SpeedUpperSpec(
+            **kept,
+            speed_anchors=anchors,
+            speed_deep=deep,
+            speed_window=window,
+            speed_segmented=attention.sliding_window is not None,
+        )
 
     attention.get_kv_cache_spec = get_kv_cache_spec

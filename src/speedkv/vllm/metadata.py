@@ -84,8 +84,13 @@ def check_fields(metadata_type: type) -> None:
         )
 
 
-def compact_metadata(common: Any, rows: FullDepthRows, slots: torch.Tensor) -> Any:
-    """`common` restricted to the full-depth rows `rows`, whose K/V go to `slots`."""
+def compact_metadata(
+    common: Any, rows: FullDepthRows, slots: torch.Tensor, kernel_blocks_per_block: int = 1
+) -> Any:
+    """`common` restricted to the full-depth rows `rows`, whose K/V go to `slots`. Where
+    `rows` are segments (`compact.segmented`), each reads its request's block table from its
+    `block_offset` on (in the KV manager's blocks, `kernel_blocks_per_block` kernel blocks
+    each)."""
     check_fields(type(common))
     device = common.query_start_loc.device
     query_lens = rows.query_start[1:] - rows.query_start[:-1]
@@ -117,6 +122,12 @@ def compact_metadata(common: Any, rows: FullDepthRows, slots: torch.Tensor) -> A
                 f"SPEED in vLLM does not support {REFUSED_FEATURES[name]} "
                 f"(the step's attention metadata sets {name})"
             )
+    if rows.block_offset is not None and bool(rows.block_offset.any()):
+        table = values["block_table_tensor"]
+        offset = to_device(rows.block_offset * kernel_blocks_per_block, table.device, torch.long)
+        columns = torch.arange(table.shape[1], device=table.device)[None, :] + offset[:, None]
+        # the columns past the end are never read: a segment's length stops short of them
+        values["block_table_tensor"] = table.gather(1, columns.clamp(max=table.shape[1] - 1))
     return dataclasses.replace(common, **values)
 
 

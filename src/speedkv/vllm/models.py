@@ -1,4 +1,4 @@
-"""SPEED variants of vLLM's Llama, Mistral, Qwen2 and Qwen3 models.
+"""SPEED variants of vLLM's Llama, Mistral, Qwen2, Qwen3 and Gemma 3 (text) models.
 
 Same weights, same layers; only the backbone's layer loop differs. Every row of a step runs the
 layers below `lcut`; the full-depth rows (anchors, deep suffix, generated tokens) are gathered,
@@ -16,6 +16,7 @@ from __future__ import annotations
 import torch
 from vllm.compilation.backends import set_model_tag
 from vllm.distributed import get_pp_group
+from vllm.model_executor.models.gemma3 import Gemma3ForCausalLM
 from vllm.model_executor.models.llama import LlamaForCausalLM
 from vllm.model_executor.models.mistral import MistralForCausalLM
 from vllm.model_executor.models.qwen2 import Qwen2ForCausalLM
@@ -44,13 +45,22 @@ class SpeedCausalLM:
         support.check(vllm_config, self.speed.compact_kv)  # the worker's own configuration
         install_runner_hooks()  # the builders need each request's prompt length
         lower, upper = rank_split(self.speed.lcut, model.start_layer, model.end_layer)
+        window = support.sliding_window(vllm_config)
+        for index in range(model.start_layer, model.end_layer):
+            # SPEED's rule reads one window for the model (SpeedRule.deep_for)
+            own = model.layers[index].self_attn.attn.sliding_window
+            if own is not None and own != window:
+                raise Unsupported(
+                    f"SPEED runs sliding-window models whose windowed layers share the "
+                    f"config's window ({window}); layer {index} has {own}"
+                )
         for index in upper:
             attention = model.layers[index].self_attn.attn
             use_speed_backend(attention)
             if self.speed.compact_kv:
                 from speedkv.vllm.kv_spec import use_compact_spec
 
-                use_compact_spec(attention, self.speed.anchors, self.speed.deep)
+                use_compact_spec(attention, self.speed.anchors, self.speed.deep, window)
         pp = get_pp_group()
         self.lower_stack = None
         if pp.is_first_rank or len(lower):
@@ -148,6 +158,16 @@ class SpeedMistralForCausalLM(SpeedCausalLM, MistralForCausalLM):
                 "(ada_rms_norm_t_cond in the model's config)"
             )
         MistralForCausalLM.__init__(self, vllm_config=vllm_config, prefix=prefix, **kwargs)
+        self._install_speed(vllm_config)
+
+
+class SpeedGemma3ForCausalLM(SpeedCausalLM, Gemma3ForCausalLM):
+    """Gemma 3's text model: local (sliding-window) layers interleaved with global ones, each
+    with its own rotary base, inside its attention module. The embedding's scaling is
+    `embed_input_ids`, which the lower stack calls; its norms take (x, residual) as Llama's."""
+
+    def __init__(self, *, vllm_config, prefix: str = ""):
+        Gemma3ForCausalLM.__init__(self, vllm_config=vllm_config, prefix=prefix)
         self._install_speed(vllm_config)
 
 

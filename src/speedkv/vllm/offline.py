@@ -180,20 +180,30 @@ class VllmEngine:
             "reused_tokens": int(getattr(output, "num_cached_tokens", 0) or 0),
         }
 
-    def layer_lengths(self, prompt: int) -> list[int]:
-        """K/V rows each layer holds when the first new token is produced."""
+    def layer_lengths(self, prompt: int) -> list[int] | None:
+        """K/V rows each layer holds when the first new token is produced; None on a
+        sliding-window model (`block_bytes`)."""
+        if self.shape.windowed:
+            return None
         layers = self.shape.num_layers
         if self.speed is None:
             return [prompt] * layers
         upper = full_depth_count(prompt, prompt, self.speed.anchors, self.speed.deep)
         return [prompt] * self.speed.lcut + [upper] * (layers - self.speed.lcut)
 
-    def block_bytes(self, tokens: int, prompt: int) -> int:
+    def block_bytes(self, tokens: int, prompt: int) -> int | None:
         """Bytes of the KV blocks vLLM's pool holds for a request of `tokens` tokens, over
         every pipeline stage: the lower layers' groups a block per `block_size` tokens, the
         upper layers' groups (SPEED) one per `block_size` full-depth rows, and a block costs
         each stage as many layer slots as its largest group there (padding included).
-        Tensor-parallel ranks each hold their share of the heads; the sum is the same."""
+        Tensor-parallel ranks each hold their share of the heads; the sum is the same.
+
+        None on a sliding-window model: vLLM frees a windowed layer's blocks as its window
+        passes, lays Gemma 3's local and global layers out in more kinds of group, and gives
+        windowed groups their own block size, none of which this count models. speedkv's own
+        engine reports such a model's K/V exactly."""
+        if self.shape.windowed:
+            return None
         layers = self.shape.num_layers
         speed = self.speed or SpeedSettings(layers, 0, 0, compact_kv=False)
         _, lower, upper = speed.kv_groups(layers)

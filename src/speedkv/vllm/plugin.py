@@ -1,7 +1,7 @@
 """The entry point vLLM calls in each of its processes (`vllm.general_plugins`).
 
 It registers the SPEED architectures under new names (`settings.ARCHITECTURES`: Llama, Mistral,
-Qwen2, Qwen3): the stock ones stay as they are, and a user picks SPEED per model through
+Qwen2, Qwen3, Gemma 3): the stock ones stay as they are, and a user picks SPEED per model through
 `hf_overrides` (see `engine_args`); it makes vLLM check a SPEED engine's configuration when it
 is built (`support.py`), refuse requests SPEED cannot answer (`guards.py`), and hand
 prefix-cache hits from the scheduler to the workers (`reuse.py`). Idempotent: vLLM may call it

@@ -16,6 +16,7 @@ ARCHITECTURES = {
     "mistral": "SpeedMistralForCausalLM",
     "qwen2": "SpeedQwen2ForCausalLM",
     "qwen3": "SpeedQwen3ForCausalLM",
+    "gemma3_text": "SpeedGemma3ForCausalLM",
 }
 
 

@@ -21,7 +21,10 @@ refusing vLLM's default:
   bypassing the upper layers' compact write (`attention.write_compact_kv`);
 - no prefix caching where the upper layers keep stock blocks (`speedkv_compact_kv` false, or
   pipeline stages that need it): their compact rows sit in a request's first blocks, which a
-  prefix hit would share. With their own blocks, prefix caching works (`prefix_index.py`).
+  prefix hit would share. With their own blocks, prefix caching works (`prefix_index.py`),
+  except on a sliding-window model, whose windowed groups lay their rows out in segments
+  (`compact.segmented`) that the prefix index does not record yet: there it is turned off
+  too, with a log line.
 
 Every field is read with a default (`_field`): a newer vLLM that drops one gets the refusal or
 the default, never an AttributeError.
@@ -103,10 +106,23 @@ def _refusals(config: Any, compact_kv: bool) -> list[tuple[Callable[[], bool], s
             "computes",
         ),
         (
-            lambda: sliding_window(config) is not None,
-            "SPEED does not run models with sliding-window attention (sliding_window or "
-            "use_sliding_window in the model's config) yet: pass disable_sliding_window=True to "
-            "run full attention within the window, or use speedkv's own engine",
+            lambda: sliding_window(config) == -1,
+            "SPEED cannot tell the size of this model's sliding window (use_sliding_window "
+            "without sliding_window in its config)",
+        ),
+        (
+            lambda: sliding_window(config) is not None and not compact_kv,
+            "SPEED runs sliding-window models with the upper layers' own KV blocks only: with "
+            "stock blocks (speedkv_compact_kv false, or pipeline stages that choose them) "
+            "vLLM's window manager would free the blocks that hold their compact rows",
+        ),
+        (
+            # `prepare` turns it off; a worker that finds it on was configured elsewhere
+            lambda: (
+                sliding_window(config) is not None
+                and bool(get("cache_config", "enable_prefix_caching"))
+            ),
+            "SPEED does not run vLLM's prefix caching on sliding-window models yet",
         ),
         (
             lambda: get("cache_config", "kv_offloading_size") is not None,
@@ -195,6 +211,12 @@ def prepare(config: Any, compact_kv: bool = True) -> None:
     vLLM's config hook, before the rest of vLLM's configuration is resolved."""
     require_supported()  # before anything of this vLLM's configuration is read
     compact_kv = _choose_blocks(config, compact_kv)
+    cache = _field(config, "cache_config")
+    if sliding_window(config) is not None and _field(cache, "enable_prefix_caching") is not False:
+        # the windowed groups' segments are not recorded in the prefix index (compact.py)
+        cache.enable_prefix_caching = False
+        log("SPEED on a sliding-window model turns vLLM's prefix caching off (docs/vllm.md)",
+            source="vllm")  # fmt: skip
     if not compact_kv and _field(config, "cache_config", "enable_prefix_caching"):
         # stock blocks hold the upper layers' compact rows in a request's first blocks, which
         # a prefix hit would share: no prefix caching there
