@@ -869,13 +869,19 @@ def identity(args, attention: str) -> tuple[dict, str, list]:
     from speedkv.hf.loading import load_tokenizer, model_directory
 
     found = kvpress_versions(args.kvpress_python)
-    model_dir = str(model_directory(args.model, progress=False))
+    if args.adapter:  # a trained adapter runs merged into a copy of the weights
+        from speedkv.hf.adapters import merged_directory
+
+        model_dir = str(merged_directory(args.model, args.adapter))
+    else:
+        model_dir = str(model_directory(args.model, progress=False))
     samples = prepare_samples(args, load_tokenizer(model_dir))
     header = {
         "peer": "kvpress",
         "pipeline": "KVPressTextGenerationPipeline (kv-press-text-generation), greedy",
         **found,
         "model": args.model,
+        **({"adapter": str(args.adapter)} if args.adapter else {}),
         "hf_model": model_dir,
         "dtype": DTYPE,
         "attn_implementation": ATTENTION,
@@ -1068,6 +1074,11 @@ def main() -> None:
     driver.add_argument("--settings", default="agnostic,aware", help="agnostic and/or aware")
     driver.add_argument("--threads", type=int, default=2, help="torch threads in kvpress's run")
     driver.add_argument("--model", default="smollm2-135m", help="speedkv model name or path")
+    driver.add_argument(
+        "--adapter",
+        help="a `speedkv train` adapter directory, merged into --model's weights: a press on "
+        "the same trained weights as SPEED",
+    )
     driver.add_argument("--seed", type=int, default=0, help="RULER seed (speedkv eval's --seed)")
     driver.add_argument("--ruler-data", help="where RULER's samples are kept (speedkv eval's)")
     driver.add_argument("--out", default="runs/ruler-kvpress-4k", help="output directory")

@@ -119,17 +119,27 @@ SIZES = [
 ]
 # SmolLM2-135M, design seed 1 (5 a task): step 0 is the untrained model
 STEPS = [
-    Point("steps", series, steps, run, speed(22, "bos", deep), full)
-    for series, deep, runs in (
+    Point("steps", series, steps, run, method, full)
+    for series, method, runs in (
         (
             "run 1 (LoRA, deep=64), against untrained full",
-            64,
+            speed(22, "bos", 64),
             ((0, "smol-design-base"), (200, "smol-design-r1"), (300, "smol-design-r1-300")),
         ),
         (
+            "run 2 (LoRA, deep=1), against untrained full",
+            speed(22, "bos", 1),
+            ((300, "smol-design-r2"),),
+        ),
+        (
             "run 5 (every weight, deep=1), against untrained full",
-            1,
+            speed(22, "bos", 1),
             ((200, "smol-design-r5-200"), (300, "smol-design-r5")),
+        ),
+        (
+            "run 6 (LoRA, deep=1, stride=40), against untrained full",
+            speed(22, "bos", 1) + ",stride=40",
+            ((0, "smol-design-base-stride"), (300, "smol-design-r6")),
         ),
     )
     for steps, run in runs

@@ -296,8 +296,9 @@ def test_records_only_rewrites_a_parts_records_from_its_answers(peer, samples, r
     args = argparse.Namespace(kvpress_python=str(KVPRESS_PYTHON), model="smollm2-135m",
                               tasks="ruler/niah_single_1,ruler/vt", length=1024,
                               samples=RULER_SAMPLES, seed=0, ruler_data=str(ruler_root),
-                              first=None)  # fmt: skip
+                              first=None, adapter=None)  # fmt: skip
     header, _, _ = peer.identity(args, peer.attention_numerics(None))
+    assert "adapter" not in header  # a base-model run's header is what it always was
     task, index, sample = samples[0]
     job = peer.job_key(task, 1024, index)
     answers = [
@@ -324,3 +325,21 @@ def test_records_only_rewrites_a_parts_records_from_its_answers(peer, samples, r
     (out / "kvpress-results.jsonl").write_text("\n".join(other) + "\n")
     done = subprocess.run(command, capture_output=True, text=True)
     assert done.returncode != 0 and "was made with other settings" in done.stderr
+
+
+@pytest.mark.skipif(not KVPRESS_PYTHON.exists(), reason="no kvpress environment")
+def test_an_adapter_runs_the_presses_on_the_merged_weights(peer, ruler_root):
+    """--adapter: kvpress loads the model with the adapter merged (the directory speedkv's
+    vLLM backend runs), and the header names the adapter, so a resumed run keeps it."""
+    import argparse
+
+    from speedkv.hf.adapters import merged_directory
+
+    adapter = ROOT / "adapters" / "smollm2-135m-speed22-bos-pydocs"
+    args = argparse.Namespace(kvpress_python=str(KVPRESS_PYTHON), model="smollm2-135m",
+                              tasks="ruler/niah_single_1", length=1024, samples=1, seed=0,
+                              ruler_data=str(ruler_root), first=None,
+                              adapter=str(adapter))  # fmt: skip
+    header, model_dir, _ = peer.identity(args, peer.attention_numerics(None))
+    assert model_dir == str(merged_directory("smollm2-135m", adapter))
+    assert header["adapter"] == str(adapter) and header["hf_model"] == model_dir

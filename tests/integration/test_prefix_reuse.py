@@ -358,7 +358,7 @@ def test_speed_taken_from_a_full_prefill_equals_its_own_prefill(tiny, tiny_engin
     )
 
 
-def test_speed_is_taken_only_from_full_attention_and_not_for_selfonly(tiny, tiny_engine):
+def test_speed_is_taken_only_from_full_attention_and_not_for_selfonly_or_stride(tiny, tiny_engine):
     ids = random_prompt(DOC, seed=22)
     speed = tiny_engine.prefill(ids, "speed:lcut=3,anchors=bos,deep=1")
     with pytest.raises(UserError, match="full-attention"):
@@ -366,3 +366,5 @@ def test_speed_is_taken_only_from_full_attention_and_not_for_selfonly(tiny, tiny
     full = tiny_engine.prefill(ids, "full")
     with pytest.raises(UserError, match="selfonly"):
         make_policy("speed:lcut=2,selfonly=true,deep=1", tiny.shape).prefix_from_full(full)
+    with pytest.raises(UserError, match="stride runs its own prefill"):
+        make_policy("speed:lcut=2,deep=1,stride=8", tiny.shape).prefix_from_full(full)

@@ -43,6 +43,17 @@ def prompt_ids(engine):
     return ids
 
 
+def test_prompts_begin_with_bos_as_the_gguf_says(engine):
+    """Gemma 3's GGUF sets add_bos_token (transformers' loader drops it; speedkv's conversion
+    keeps it), and a benchmark prompt of a model without a chat template is raw text after it."""
+    from speedkv.prompts.builders import exact_chat_prompt
+
+    tokenizer = engine.model.tokenizer
+    assert tokenizer("x")["input_ids"][0] == tokenizer.bos_token_id
+    ids = exact_chat_prompt(tokenizer, 300)
+    assert len(ids) == 300 and ids[0] == tokenizer.bos_token_id and ids.count(ids[0]) == 1
+
+
 def test_full_equals_hf_generate_past_the_window(engine, prompt_ids):
     check_equals_hf_generate(engine, prompt_ids, ["full"], steps=8)
 

@@ -105,3 +105,27 @@ def test_prefill_chunk_size_does_not_change_results(tiny):
     a = greedy_with_logits(Engine(tiny, chunk_size=5), ids, policy, 4)[1]
     b = greedy_with_logits(Engine(tiny, chunk_size=4096), ids, policy, 4)[1]
     assert torch.allclose(a, b, atol=1e-5)
+
+
+@pytest.mark.parametrize("lcut, anchors, deep, stride", [(2, 1, 1, 8), (3, 4, 4, 5), (0, 0, 1, 2)])
+def test_strided_speed_equals_dense_reference(tiny, tiny_engine, lcut, anchors, deep, stride):
+    """`stride=S` keeps every S-th prompt position at full depth as well: the engine's
+    upper layers hold exactly those rows and it decodes as the dense reference does."""
+    name = {0: "none", 1: "bos", 4: "sink:4"}[anchors]
+    ids = random_prompt(45, seed=stride)
+    policy = make_policy(
+        f"speed:lcut={lcut},anchors={name},deep={deep},stride={stride}", tiny.shape
+    )
+    assert policy.spec().endswith(f",stride={stride}")
+    tokens, logits, _ = greedy_with_logits(tiny_engine, ids, policy, steps=8)
+    sequence = torch.tensor(ids + tokens[:-1])
+    dense, positions = speed_dense_forward(
+        tiny.backbone, sequence, len(ids), lcut, anchors, deep, False, stride
+    )
+    dense = dense[positions >= len(ids) - 1]
+    assert dense.argmax(-1).tolist() == tokens
+    assert torch.allclose(logits, dense, atol=1e-4, rtol=0), (logits - dense).abs().max()
+    strided = len([p for p in range(anchors, len(ids) - deep) if p % stride == stride - 1])
+    lengths = tiny_engine.prefill(ids, policy.spec()).cache.lengths()
+    upper = anchors + strided + deep
+    assert lengths == [len(ids)] * lcut + [upper] * (tiny.shape.num_layers - lcut)

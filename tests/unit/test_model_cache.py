@@ -88,3 +88,23 @@ def test_a_changed_file_converts_anew(llama_gguf, monkeypatch):
     second = loading.convert_gguf(llama_gguf, False)
     assert first != second and writes == [first, second]
     assert (second / "model.safetensors").read_bytes() == llama_gguf.read_bytes()
+
+
+def test_a_conversion_names_the_model_class_vllm_reads(llama_gguf, monkeypatch):
+    """transformers' GGUF loader leaves `architectures` out of config.json, and vLLM then takes
+    Gemma 3's text model for an embedding model: the conversion writes it, once, also into a
+    directory converted before it did (no marker yet)."""
+    import json
+
+    def conversion(path, target):  # an older conversion: no architectures, no marker
+        target.mkdir(parents=True)
+        (target / "config.json").write_text('{"model_type": "llama"}')
+        (target / "model.safetensors").write_bytes(b"weights")
+
+    monkeypatch.setattr(loading, "_write_hf_directory", conversion)
+    directory = loading.convert_gguf(llama_gguf, False)
+    assert not (directory / loading.CONVERSION_CHECKED).exists()
+    assert loading.convert_gguf(llama_gguf, False) == directory  # completes it
+    config = json.loads((directory / "config.json").read_text())
+    assert config["architectures"] == ["LlamaForCausalLM"]
+    assert (directory / loading.CONVERSION_CHECKED).is_file()

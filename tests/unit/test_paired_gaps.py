@@ -191,3 +191,20 @@ def test_the_per_task_flag_prints_the_table_after_the_gaps(runs, capsys):
     out = capsys.readouterr().out.splitlines()
     assert out[: len(EXPECTED)] == EXPECTED and out[len(EXPECTED)] == ""
     assert out[len(EXPECTED) + 1].startswith("| task | untrained full |")
+
+
+def test_a_press_on_the_same_samples_gets_its_row_and_speeds_paired_gap(runs, tmp_path):
+    """A press's records (kvpress on the same weights) answer samples 0-3 of each task right:
+    SPEED (0-4) beats it on sample 4 alone, +10.0 with the paired margin 5.4 as above."""
+    press = write_run(tmp_path / "press.jsonl", {"kvpress:tova,ratio=0.267": 4})
+    rows, _ = paired_gaps.read_rows(*runs, SPEED, press=(press, "kvpress:tova,ratio=0.267"))
+    lines = paired_gaps.report(rows)
+    assert "press: 40.0 ± 8.4" in lines  # 1.96 * sqrt(13 * 0.24 / 10) / 13
+    assert "trained SPEED - press: +10.0 ± 5.4 (paired)" in lines
+
+
+def test_press_and_press_method_go_together(runs, capsys):
+    with pytest.raises(SystemExit) as stop:
+        paired_gaps.main([str(runs[0]), "--speed", SPEED, "--press", str(runs[1])])
+    assert stop.value.code == 2
+    assert "--press and --press-method go together" in capsys.readouterr().err

@@ -200,3 +200,17 @@ def test_chat_prompts_of_exact_length_and_about_a_passage(smol_tokenizer):
         exact_chat_prompt(smol_tokenizer, 3)
     asked = passage_prompt(smol_tokenizer, "Some text.", "Summarise it.")
     assert asked == encode_prompt(smol_tokenizer, "Some text.\n\nSummarise it.").ids
+
+
+def test_exact_prompts_on_a_model_without_a_chat_template(smol_tokenizer):
+    """A base model's prompt is raw text with its tokenizer's own special tokens (none for
+    SmolLM2's; Gemma 3's `<bos>`: tests/integration/test_real_gemma3.py), still exactly long."""
+    import copy
+
+    from speedkv.prompts.builders import exact_chat_prompt
+
+    base = copy.deepcopy(smol_tokenizer)
+    base.chat_template = None
+    ids = exact_chat_prompt(base, 90)
+    assert len(ids) == 90 and smol_tokenizer.bos_token_id not in ids
+    assert base.decode(ids) == base.decode(base(base.decode(ids))["input_ids"])

@@ -29,6 +29,11 @@ def test_canonical_spec_lists_every_resolved_option():
     # the canonical form parses back to itself
     canon = make_policy("speed:lcut=26", SHAPE).spec()
     assert make_policy(canon, SHAPE).spec() == canon
+    # stride is named only when set, so plain SPEED's spec stays what records name
+    strided = make_policy("speed:lcut=22,deep=1,stride=40", SHAPE).spec()
+    assert strided == "speed:lcut=22,anchors=bos,deep=1,selfonly=false,stride=40"
+    assert make_policy(strided, SHAPE).spec() == strided
+    assert make_policy("speed:lcut=22,stride=0", SHAPE).spec().endswith("selfonly=false")
 
 
 @pytest.mark.parametrize("name", method_names())
@@ -64,6 +69,8 @@ def test_registry_knows_full_and_speed():
         ("speed:deep=0", "deep must be"),
         ("speed:deep=tail", "deep must be"),
         ("speed:selfonly=maybe", "must be bool"),
+        ("speed:stride=1", "stride must be 0"),
+        ("speed:stride=-3", "stride must be 0"),
         ("full:lcut=3", "has no option 'lcut'"),
     ],
 )

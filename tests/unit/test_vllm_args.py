@@ -180,6 +180,7 @@ def test_engine_args_turn_a_speed_spec_into_overrides(tmp_path):
         ("speed:lcut=31", "llama", "between 0 and 30"),
         ("speed:lcut=22,deep=header", "llama", "token count"),
         ("speed:lcut=22,selfonly=true,deep=1", "llama", "selfonly"),
+        ("speed:lcut=22,deep=1,stride=40", "llama", "stride"),
         ("speed:lcut=22,deep=1", "gpt2", "not supported"),
         ("speed:lcut=22,anchors=bos2,deep=1", "llama", "anchors must be"),
     ],

@@ -28,11 +28,13 @@ def test_speed_through_vllm_equals_the_engine_past_the_window():
     # Python's own source: text that ships with the interpreter
     text = Path(__import__("textwrap").__file__).read_text()[:3000]
     ids = model.tokenizer(text)["input_ids"]
-    assert len(ids) > 512 + 4 + 1  # past the rule's bound: SPEED, not whole-depth
+    # the GGUF's add_bos_token holds: prompts begin with <bos>, SPEED's default anchor
+    assert ids[0] == model.tokenizer.bos_token_id and model.shape.starts_with_bos
+    assert len(ids) > 512 + 1 + 1  # past the rule's bound: SPEED, not whole-depth
     sampling = SamplingParams(max_new_tokens=NEW, ignore_eos=True)
     engine = Engine(model)
     done = engine.generate([Request(ids, make_policy(METHOD, model.shape), sampling)])[0]
-    assert done.layer_lengths[13:] == [1, 1, 1, 1, 5]  # local: the deep row; global: +4 sinks
+    assert done.layer_lengths[13:] == [1, 1, 1, 1, 2]  # local: the deep row; global: + BoS
     with VllmEngine.open(model_directory("gemma3-270m"), METHOD, dtype="float32") as vllm:
         record = vllm.generate([ids], sampling)[0]
     assert record["output_ids"] == done.output_ids

@@ -21,7 +21,7 @@ from speedkv.hf.loading import wrap_model
 from speedkv.methods.speed import SpeedRule
 from speedkv.vllm.args import engine_args
 
-from conftest import save_tiny_checkpoint, vllm_engine
+from conftest import LONG_TESTS, save_tiny_checkpoint, vllm_engine
 from test_vllm_prefix_cache import Replay, Served, check
 
 WINDOW = 48
@@ -78,10 +78,15 @@ def expected_upper_rows(prompts: list[list[int]]) -> int:
     return rows + len(prompts) * (NEW - 1)
 
 
-def test_speed_on_a_windowed_model_equals_the_engine_and_the_dense_reference(checkpoint):
+@pytest.mark.parametrize("tp", [1, 2], ids=["tp1", "tp2"])
+def test_speed_on_a_windowed_model_equals_the_engine_and_the_dense_reference(checkpoint, tp):
+    """With 2 tensor-parallel ranks each holds 2 query heads and 1 KV head; the segments are
+    per request, the same on every rank. Mistral's two ranks run in `make test-long`."""
     from vllm import SamplingParams as VllmSampling
 
     directory, model, arch = checkpoint
+    if tp > 1 and arch == "SpeedMistralForCausalLM" and not LONG_TESTS:
+        pytest.skip("SPEEDKV_LONG_TESTS=1 (make test-long) runs it")
     args = engine_args(METHOD, directory)
     assert args["hf_overrides"]["architectures"] == [arch]
     assert args["enable_prefix_caching"] is False
@@ -89,7 +94,7 @@ def test_speed_on_a_windowed_model_equals_the_engine_and_the_dense_reference(che
     sampling = VllmSampling(temperature=0.0, max_tokens=NEW, ignore_eos=True, logprobs=0,
                             detokenize=False)  # fmt: skip
     with vllm_engine(directory, **args, skip_tokenizer_init=True,
-                     max_num_batched_tokens=BUDGET) as llm:  # fmt: skip
+                     max_num_batched_tokens=BUDGET, tensor_parallel_size=tp) as llm:  # fmt: skip
         outputs = llm.generate([{"prompt_token_ids": p} for p in prompts], sampling,
                                use_tqdm=False)  # fmt: skip
         rows = llm.collective_rpc(lambda worker: worker.model_runner.model.upper_rows)
@@ -99,7 +104,7 @@ def test_speed_on_a_windowed_model_equals_the_engine_and_the_dense_reference(che
                o.num_cached_tokens)
         for o in outputs
     ]  # fmt: skip
-    assert rows == [expected_upper_rows(prompts)]
+    assert rows == [expected_upper_rows(prompts)] * tp
     check(Replay(wrap_model(model), METHOD, new=NEW), served)
 
 

@@ -68,6 +68,7 @@ def speed_dense_forward(
     anchors: int = 1,
     deep: int = 1,
     selfonly: bool = False,
+    stride: int = 0,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Logits (float32) [m, vocab] at every full-depth position of `ids` under SPEED with
     these options, and those positions [m]: `speed_hidden` followed by the LM head."""
@@ -75,6 +76,6 @@ def speed_dense_forward(
         backbone,
         ids,
         prompt_len,
-        SpeedRule(lcut, anchors, deep, selfonly, backbone.shape.largest_window),
+        SpeedRule(lcut, anchors, deep, selfonly, backbone.shape.largest_window, stride),
     )
     return backbone.logits(h), pos

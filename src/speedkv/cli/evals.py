@@ -78,11 +78,11 @@ def eval_command(
         typer.Option(
             "--shared-prefill",
             help="Needle and RULER tasks: prefill each sample once with full attention; full "
-            "and every SPEED method (not selfonly) start from that cache, since SPEED's lower "
-            "layers and anchors are full attention's. A sweep over cutoffs and anchors then "
-            "costs about one prefill per sample; answers equal separate runs up to rounding. "
-            "SPEED's TTFT is then not measured (RULER records leave it empty). Not with "
-            "--query-agnostic.",
+            "and every SPEED method (not selfonly or stride) start from that cache, since "
+            "SPEED's lower layers and anchors are full attention's. A sweep over cutoffs and "
+            "anchors then costs about one prefill per sample; answers equal separate runs up "
+            "to rounding. SPEED's TTFT is then not measured (RULER records leave it empty). "
+            "Not with --query-agnostic.",
         ),
     ] = False,
     query_agnostic: Annotated[

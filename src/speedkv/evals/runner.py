@@ -256,7 +256,7 @@ class EvalRunner:
 
     def _takes_full(self, method: str) -> bool:
         policy = self.policies[method]
-        return isinstance(policy, Speed) and not policy.config.selfonly
+        return isinstance(policy, Speed) and not (policy.config.selfonly or policy.config.stride)
 
     # -- time estimate -------------------------------------------------------------------------
     def estimate_seconds(

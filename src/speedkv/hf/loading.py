@@ -358,6 +358,9 @@ def convert_gguf(path: Path, progress: bool = True) -> Path:
     shares it."""
     target = cache_dir() / "models" / f"{path.stem}-{content_digest(path)[:12]}"
     if _converted(target):
+        if not (target / CONVERSION_CHECKED).is_file():  # converted before these checks existed
+            with only_one_process(target, f"checking {path.name}'s conversion"):
+                _complete_conversion(path, target)
         return target
     arch = gguf_architecture(path)
     gguf_types = {
@@ -447,8 +450,38 @@ def _write_hf_directory(path: Path, target: Path) -> None:
     if getattr(model, "generation_config", None) is not None:
         model.generation_config.save_pretrained(tmp)
     AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name).save_pretrained(tmp)
+    _complete_conversion(path, tmp)
     shutil.rmtree(target, ignore_errors=True)
     tmp.replace(target)
+
+
+# Written into a converted directory once it holds what transformers' GGUF loader leaves out.
+CONVERSION_CHECKED = "speedkv-conversion-checked"
+
+
+def _complete_conversion(path: Path, directory: Path) -> None:
+    """Add to a converted `directory` what transformers' GGUF loader drops:
+
+    - the tokenizer adds a BoS token where the GGUF says prompts begin with one
+      (`tokenizer.ggml.add_bos_token`; Gemma 3's GGUF sets it, SmolLM2's and Qwen2.5's do
+      not), so Gemma's prompts start with `<bos>` as the model expects;
+    - config.json names the model's class (`architectures`), which vLLM reads to choose the
+      model: without it vLLM takes Gemma 3's text model for an embedding model."""
+    from gguf import GGUFReader
+    from transformers import AutoTokenizer
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+
+    field = GGUFReader(str(path)).fields.get("tokenizer.ggml.add_bos_token")
+    if field is not None and bool(field.parts[field.data[0]][0]):
+        tokenizer = AutoTokenizer.from_pretrained(directory, add_bos_token=True)
+        tokenizer.save_pretrained(directory)
+    config_path = directory / "config.json"
+    config = json.loads(config_path.read_text())
+    causal_lm = MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.get(config.get("model_type"))
+    if not config.get("architectures") and causal_lm:
+        config["architectures"] = [causal_lm]
+        config_path.write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
+    (directory / CONVERSION_CHECKED).write_text("checked\n")
 
 
 def install_embedded(name: str) -> None:

@@ -12,6 +12,9 @@ on the samples both answered where every task shares two (speedkv.leaderboard.ta
 A row the records lack is left out with the gaps that need it (a note on stderr says which); a
 row short of a task is printed as incomplete, without gaps. `--per-task` adds a table of every
 task's score in each row and SPEED's per-task gaps, and names the task SPEED loses most on.
+`--press RECORDS --press-method SPEC` adds a compression method's row from another run on the
+same samples (a kvpress run on the same weights, benchmarks/kvpress_peer.py) and SPEED's paired
+gap to it, so that SPEED and the press are compared on equal training.
 
 It sits in the leaderboard layer, not in speedkv.bench.measure: its margins are the
 leaderboard's (speedkv.leaderboard.rows and tables), which the bench layer may not import.
@@ -36,6 +39,8 @@ GAPS = (
     ("trained SPEED", "untrained SPEED"),
     ("trained full", "untrained full"),
     ("untrained SPEED", "untrained full"),
+    ("trained SPEED", "press"),
+    ("untrained SPEED", "press"),
 )
 
 
@@ -65,11 +70,18 @@ def as_row(scores: dict[tuple[str, int], float]) -> Row:
 
 
 def read_rows(
-    base: Path, trained: Path | None, speed: str, base_speed: str | None = None
+    base: Path,
+    trained: Path | None,
+    speed: str,
+    base_speed: str | None = None,
+    press: tuple[Path, str] | None = None,
 ) -> tuple[dict[str, Row], list[str]]:
-    """The rows the two runs hold, by name (untrained/trained full/SPEED), and a note for each
-    row without records. UserError when neither run holds any of the four."""
+    """The rows the runs hold, by name (untrained/trained full/SPEED, and `press`: a records
+    file and the method in it), and a note for each row without records. UserError when no
+    run holds any of them."""
     paths = (base,) if trained is None else (base, trained)
+    if press is not None:
+        paths += (press[0],)
     runs = {path: read_records(path)[1] for path in paths}
     # what each run does hold, for the note: a misspelt --speed is the usual reason
     held = {path: ", ".join(sorted({r["method"] for r in runs[path]})) or "none" for path in runs}
@@ -79,6 +91,8 @@ def read_rows(
     }
     if trained is not None:
         wanted |= {"trained full": (trained, "full"), "trained SPEED": (trained, speed)}
+    if press is not None:
+        wanted["press"] = press
     rows, notes = {}, []
     for name, (path, method) in wanted.items():
         scores = per_sample(runs[path], method)
@@ -168,17 +182,27 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--speed", required=True, help="the SPEED spec as the records spell it")
     parser.add_argument("--base-speed", help="BASE's SPEED spec, where it differs from --speed")
     parser.add_argument(
+        "--press",
+        type=Path,
+        help="a compression method's records.jsonl on the same samples (for example a kvpress "
+        "run on the same weights): its row and SPEED's paired gap to it",
+    )
+    parser.add_argument("--press-method", help="the method in --press, as its records spell it")
+    parser.add_argument(
         "--per-task",
         action="store_true",
         help="also a markdown table of every task's score and SPEED's gaps to full, and the "
         "task SPEED loses most on",
     )
     args = parser.parse_args(argv)
-    for path in (args.base, args.trained):
+    for path in (args.base, args.trained, args.press):
         if path is not None and not path.is_file():
             parser.error(f"{path}: no such file (give a run's records.jsonl)")
+    if (args.press is None) != (args.press_method is None):
+        parser.error("--press and --press-method go together")
+    press = (args.press, args.press_method) if args.press else None
     try:
-        rows, notes = read_rows(args.base, args.trained, args.speed, args.base_speed)
+        rows, notes = read_rows(args.base, args.trained, args.speed, args.base_speed, press)
     except UserError as err:
         parser.error(str(err))
     for note in notes:

@@ -75,7 +75,16 @@ def _room(length: int, head: list[int], tail: list[int]) -> int:
 
 
 def _template_around(tokenizer, generation_header: bool) -> tuple[list[int], list[int]]:
-    """The ids the chat template puts before and after a single user message."""
+    """The ids the chat template puts before and after a single user message; on a model
+    without a chat template (a base model, such as Gemma 3 270M), the special tokens its
+    tokenizer puts around raw text, as `encode_prompt` sends it (Gemma's `<bos>`)."""
+    if not getattr(tokenizer, "chat_template", None):
+        plain = tokenizer("x", add_special_tokens=False)["input_ids"]
+        marked = list(tokenizer("x", add_special_tokens=True)["input_ids"])
+        for start in range(len(marked) - len(plain) + 1):
+            if marked[start : start + len(plain)] == plain:
+                return marked[:start], marked[start + len(plain) :]
+        raise UserError("the tokenizer splits text differently with its special tokens")
     marker = "\u0000"
     templated = tokenizer.apply_chat_template(
         [{"role": "user", "content": marker}],

@@ -68,6 +68,8 @@ def speed_rule(method: str, shape: ModelShape) -> SpeedRule | None:
         return None
     if rule.selfonly:
         raise UserError("selfonly=true is an ablation speedkv's own engine runs; vLLM does not")
+    if rule.stride:
+        raise UserError("stride is a variant speedkv's own engine runs; vLLM does not")
     if not isinstance(rule.deep, int):
         raise UserError(
             f"deep={rule.deep} needs each prompt's chat boundaries, which vLLM does not pass "
