@@ -173,6 +173,18 @@ def test_engine_args_turn_a_speed_spec_into_overrides(tmp_path):
         assert made["hf_overrides"]["architectures"] == [name]
 
 
+def test_a_model_of_local_and_global_layers_gets_no_padding_guess(tmp_path, capsys):
+    """Gemma 3's local and global layers make vLLM group each kind on each side of the cut,
+    which the two-kind padding count does not model: no padding note, and the default cut is
+    the policy's own 75 % (18 layers: 14), not the two-kind padding-free one."""
+    kinds = ["sliding_attention"] * 5 + ["full_attention"]
+    gemma = write_config(tmp_path, model_type="gemma3_text", num_hidden_layers=18,
+                         sliding_window=512, layer_types=kinds * 3, head_dim=256)  # fmt: skip
+    assert engine_args("speed:deep=1", gemma)["hf_overrides"]["speedkv_lcut"] == 14
+    engine_args("speed:lcut=13,deep=1", gemma)
+    assert "pads" not in capsys.readouterr().err
+
+
 @pytest.mark.parametrize(
     ("method", "model_type", "message"),
     [

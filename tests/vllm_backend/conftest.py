@@ -184,10 +184,11 @@ def save_tiny_checkpoint(config_cls, model_cls, directory, layers: int = 6, voca
     directory; returns the model. Gemma 3's norms scale by 1 + weight (0 at init): they get a
     spread instead."""
     torch.manual_seed(0)
-    config = config_cls(vocab_size=vocab, hidden_size=128, intermediate_size=256,
-                        num_hidden_layers=layers, num_attention_heads=4, num_key_value_heads=2,
-                        max_position_embeddings=1024, tie_word_embeddings=False,
-                        bos_token_id=None, eos_token_id=None, **options)  # fmt: skip
+    fields = dict(vocab_size=vocab, hidden_size=128, intermediate_size=256,
+                  num_hidden_layers=layers, num_attention_heads=4, num_key_value_heads=2,
+                  max_position_embeddings=1024, tie_word_embeddings=False,
+                  bos_token_id=None, eos_token_id=None)  # fmt: skip
+    config = config_cls(**(fields | options))
     model = model_cls(config).eval().requires_grad_(False)
     with torch.no_grad():
         for name, p in model.named_parameters():

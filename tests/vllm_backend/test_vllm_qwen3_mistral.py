@@ -1,6 +1,7 @@
-"""The Qwen3 (per-head q/k RMSNorm before rotary) and Mistral (without a sliding window)
-architectures in vLLM: a small random checkpoint of each, stock and SPEED, against speedkv's own
-engine and the dense reference on the same weights (float32, greedy).
+"""The Qwen3 (per-head q/k RMSNorm before rotary), Mistral (without a sliding window) and
+Llama 3 (its rope scaling, tied embeddings) architectures in vLLM: a small random checkpoint of
+each, stock and SPEED, against speedkv's own engine and the dense reference on the same weights
+(float32, greedy).
 
 SPEED runs on one engine per family and rank count, with a 64-token step budget (the short
 prompts whole, the long ones in chunks) and prefix caching on: a mixed batch, then a question
@@ -13,7 +14,14 @@ from types import SimpleNamespace
 
 import pytest
 import torch
-from transformers import MistralConfig, MistralForCausalLM, Qwen3Config, Qwen3ForCausalLM
+from transformers import (
+    LlamaConfig,
+    LlamaForCausalLM,
+    MistralConfig,
+    MistralForCausalLM,
+    Qwen3Config,
+    Qwen3ForCausalLM,
+)
 
 from speedkv import Engine, Request, SamplingParams, make_policy
 from speedkv.errors import Unsupported
@@ -36,6 +44,13 @@ FAMILIES = {
     # MistralConfig's default window is 4096: windowed models run in test_vllm_sliding_window
     "mistral": (MistralConfig, MistralForCausalLM, {"sliding_window": None},
                 "SpeedMistralForCausalLM"),
+    # Llama 3's rope scaling (past original_max_position_embeddings from 64 tokens on) and
+    # tied embeddings, as Llama-3.2-1B's config has them
+    "llama3": (LlamaConfig, LlamaForCausalLM,
+               {"rope_scaling": {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
+                                 "high_freq_factor": 4.0, "original_max_position_embeddings": 64},
+                "tie_word_embeddings": True},
+               "SpeedLlamaForCausalLM"),
 }  # fmt: skip
 
 
@@ -101,12 +116,12 @@ def test_speed_chunked_and_reused_equals_the_engine_and_the_dense_reference(
     300-token prompt's first 200 tokens (one cached block) and the next turn of the
     380-token prompt's conversation (three cached blocks, its deep suffix and answer
     included). With 2 tensor-parallel ranks, each holds 2 query heads and 1 KV head (and
-    Qwen3's q/k norms run per head on each rank). Mistral's layers are vLLM's Llama layers:
-    its two ranks run in `make test-long`, as SmolLM2's three do."""
+    Qwen3's q/k norms run per head on each rank). Mistral's and Llama 3's layers are vLLM's
+    Llama layers: their two ranks run in `make test-long`, as SmolLM2's three do."""
     from vllm import SamplingParams as VllmSampling
 
     directory, model, arch = checkpoint
-    if tp > 1 and arch == "SpeedMistralForCausalLM" and not LONG_TESTS:
+    if tp > 1 and arch in ("SpeedMistralForCausalLM", "SpeedLlamaForCausalLM") and not LONG_TESTS:
         pytest.skip("SPEEDKV_LONG_TESTS=1 (make test-long) runs it")
     args = engine_args(METHOD, directory)
     assert args["hf_overrides"]["architectures"] == [arch]

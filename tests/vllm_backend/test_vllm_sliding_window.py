@@ -110,8 +110,9 @@ def test_speed_on_a_windowed_model_equals_the_engine_and_the_dense_reference(che
 
 def test_stock_blocks_are_refused_on_a_windowed_model(tmp_path):
     """Stock upper-layer blocks, whose window manager would free the blocks holding compact
-    rows: refused with one sentence at `LLM(...)`. (Prefix caching, which the windowed layout
-    does not record yet, is turned off with a log line: test_vllm_refusals.py.)"""
+    rows: refused with one sentence at `LLM(...)`. (Prefix caching, whose reused deep rows would
+    break the windowed layout's run of consecutive rows, is turned off with a log line:
+    test_vllm_refusals.py.)"""
     from vllm import LLM
 
     _, arch = tiny_checkpoint("mistral", tmp_path)

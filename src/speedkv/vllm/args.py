@@ -51,6 +51,14 @@ def model_shape(directory: str | Path) -> ModelShape:
     return dataclasses.replace(shape, starts_with_bos=bos)
 
 
+def mixed_layers(shape: ModelShape) -> bool:
+    """Whether the model's layers are of more than one kind (Gemma 3's local and global
+    ones). vLLM then makes a KV cache group per kind on each side of the cut, sized by the
+    smallest kind, which `SpeedSettings.kv_groups` (two kinds: lower and upper) does not
+    model: no padding is predicted for it, and the default cut is the policy's own (75 %)."""
+    return len(set(shape.windows)) > 1
+
+
 def speed_rule(method: str, shape: ModelShape) -> SpeedRule | None:
     """The SPEED rule a method runs in vLLM; None where it is stock vLLM (full, lcut = L)."""
     spec = parse_spec(method)
@@ -60,7 +68,7 @@ def speed_rule(method: str, shape: ModelShape) -> SpeedRule | None:
             "speedkv's own engine (--backend speedkv)"
         )
     rule = SpeedRule.of(spec.bind(shape))
-    if spec.name == "speed" and "lcut" not in dict(spec.options):
+    if spec.name == "speed" and "lcut" not in dict(spec.options) and not mixed_layers(shape):
         # vLLM pads KV cache groups to equal layer counts: the default cut is one that
         # needs no padding, nearest the paper's 75 %
         rule = rule.at(padding_free_lcut(shape.num_layers))
@@ -91,7 +99,7 @@ def engine_args(method: str, directory: str | Path) -> dict[str, Any]:
         return {}
     require_supported()  # SPEED on a vLLM the plugin does not support: one sentence, here
     settings = SpeedSettings(rule.lcut, rule.anchors, int(rule.deep))
-    padded = settings.padded_layers(shape.num_layers)
+    padded = 0 if mixed_layers(shape) else settings.padded_layers(shape.num_layers)
     if padded:
         log(
             f"note: vLLM pads lcut={rule.lcut} of {shape.num_layers} layers with {padded} empty "

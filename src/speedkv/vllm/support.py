@@ -22,9 +22,10 @@ refusing vLLM's default:
 - no prefix caching where the upper layers keep stock blocks (`speedkv_compact_kv` false, or
   pipeline stages that need it): their compact rows sit in a request's first blocks, which a
   prefix hit would share. With their own blocks, prefix caching works (`prefix_index.py`),
-  except on a sliding-window model, whose windowed groups lay their rows out in segments
-  (`compact.segmented`) that the prefix index does not record yet: there it is turned off
-  too, with a log line.
+  except on a sliding-window model: its windowed groups' kernel window counts compact rows,
+  which equals the window over positions only while a request's deep rows are consecutive
+  (`compact.segmented`), and a reused prefix's earlier deep rows break that run. There it is
+  turned off too, with a log line.
 
 Every field is read with a default (`_field`): a newer vLLM that drops one gets the refusal or
 the default, never an AttributeError.
@@ -213,7 +214,7 @@ def prepare(config: Any, compact_kv: bool = True) -> None:
     compact_kv = _choose_blocks(config, compact_kv)
     cache = _field(config, "cache_config")
     if sliding_window(config) is not None and _field(cache, "enable_prefix_caching") is not False:
-        # the windowed groups' segments are not recorded in the prefix index (compact.py)
+        # a reused prefix's deep rows would break the windowed groups' consecutive run
         cache.enable_prefix_caching = False
         log("SPEED on a sliding-window model turns vLLM's prefix caching off (docs/vllm.md)",
             source="vllm")  # fmt: skip
