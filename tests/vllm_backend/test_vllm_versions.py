@@ -15,6 +15,7 @@ from vllm.engine.arg_utils import EngineArgs
 from speedkv.errors import Unsupported
 from speedkv.vllm import plugin, refused, support, versions
 from speedkv.vllm.args import engine_args
+from speedkv.vllm.settings import ARCHITECTURES
 
 from conftest import fake_config
 from helpers import run_cli
@@ -121,11 +122,8 @@ def fake_registry(monkeypatch):
     return registered, hooks
 
 
-REFUSING = {
-    name: f"speedkv.vllm.refused:{name}"
-    for name in ("SpeedLlamaForCausalLM", "SpeedMistralForCausalLM", "SpeedQwen2ForCausalLM",
-                 "SpeedQwen3ForCausalLM")
-}  # fmt: skip
+# every SPEED architecture, each resolving to a class in speedkv.vllm.refused
+REFUSING = {name: f"speedkv.vllm.refused:{name}" for name in ARCHITECTURES.values()}
 
 
 def test_on_another_vllm_registering_patches_nothing(vllm_034, monkeypatch):
@@ -136,6 +134,10 @@ def test_on_another_vllm_registering_patches_nothing(vllm_034, monkeypatch):
         monkeypatch.setattr(f"speedkv.vllm.{name}", lambda: pytest.fail("patched vLLM"))
     plugin.register()
     assert registered == REFUSING
+    # each name resolves to a class vLLM can inspect, whose construction refuses
+    for name in ARCHITECTURES.values():
+        with pytest.raises(Unsupported):
+            getattr(refused, name)(vllm_config=None, prefix="")
     [(archs, sentence)] = hooks
     assert archs == list(REFUSING)
     one_sentence_naming_the_range(sentence)
