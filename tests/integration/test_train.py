@@ -17,7 +17,13 @@ from speedkv.core.engine import Engine
 from speedkv.core.registry import make_policy
 from speedkv.errors import UserError
 from speedkv.hf.loading import LoadedModel
-from speedkv.train.forward import SpeedObjective, example_loss, response_logits, visibility_for
+from speedkv.train.forward import (
+    SpeedObjective,
+    example_loss,
+    response_logits,
+    response_logits_with_full,
+    visibility_for,
+)
 from speedkv.train.weights import FullWeights, LoraWeights
 
 from conftest import random_prompt
@@ -270,6 +276,58 @@ def test_loss_is_cross_entropy_kl_mix():
     assert mixed.kl_sum == pytest.approx(float(kl), rel=1e-5)
     same = example_loss(student, targets, student.clone(), distill=1.0, temperature=2.0)
     assert float(same.loss_sum) == pytest.approx(0.0, abs=1e-5)
+    # --keep-full adds the full-depth student's KL to the same teacher, at its own weight
+    student_full = torch.randn(5, 11)
+    kl_full = (p_t * (p_t.log() - student_full.log_softmax(-1))).sum()
+    kept = example_loss(student, targets, teacher, 0.25, student_full=student_full, keep_full=2.0)
+    assert torch.isclose(kept.loss_sum, 0.75 * ce + 0.25 * kl + 2.0 * kl_full, atol=1e-4)
+    assert kept.kl_full_sum == pytest.approx(float(kl_full), rel=1e-5)
+    with pytest.raises(ValueError, match="keep_full needs"):
+        example_loss(student, targets, teacher, keep_full=1.0)
+
+
+@pytest.mark.parametrize("spec", SPECS)
+def test_one_pass_gives_speed_and_full_depth_logits(tiny, spec):
+    """--keep-full's shared lower layers: the pair equals SPEED's and full depth's own
+    forwards, and gradients flow through both."""
+    weights = lora_copy(tiny)
+    vis = visibility_for(spec, tiny.shape)
+    ids = torch.tensor(random_prompt(40, seed=5))
+    speed, full = response_logits_with_full(weights.backbone, ids, 31, vis, 3, 3)
+    full_rule = visibility_for("full", tiny.shape)
+    assert torch.allclose(speed, response_logits(weights.backbone, ids, 31, vis, 3, 3), atol=1e-5)
+    assert torch.allclose(full, response_logits(weights.backbone, ids, 31, full_rule), atol=1e-5)
+    assert speed.shape == full.shape == (9, tiny.shape.vocab_size)
+    (speed.sum() + full.sum()).backward()
+
+
+def test_keep_full_pulls_full_depth_toward_the_untrained_model(tiny):
+    """--keep-full: its term is zero while the adapter is untouched (the trained weights at
+    full depth are the teacher), and once the adapter has moved, its gradient points back:
+    a small step along it lowers the full-depth KL."""
+    from speedkv.train.data import Example
+
+    weights = LoraWeights(copy.deepcopy(tiny.hf_model), r=4, alpha=8)  # B = 0: no change yet
+    spec = "speed:lcut=2,anchors=bos,deep=1"
+    objective = SpeedObjective(weights, visibility_for(spec, tiny.shape), keep_full=1.0)
+    example = Example(torch.tensor(random_prompt(30, seed=8)), 24, None, "test")
+    assert objective([example])["kl_full_sum"] == pytest.approx(0.0, abs=1e-4)
+    lora = [p for n, p in weights.model.named_parameters() if "lora_B" in n]
+    torch.manual_seed(3)
+    with torch.no_grad():
+        for param in lora:
+            param.add_(torch.randn_like(param) * 0.05)
+    moved = objective([example])
+    assert moved["kl_full_sum"] > 1e-3
+    # only the full-depth term: no cross-entropy, no SPEED distillation
+    kl_only = SpeedObjective(weights, objective.vis, distill=0.0, keep_full=1.0)
+    parts = kl_only.example_parts(example)
+    weights.model.zero_grad()
+    (parts.loss_sum - parts.ce_sum).backward()
+    with torch.no_grad():
+        for param in lora:
+            param.sub_(param.grad * 1e-2 / max(float(param.grad.abs().max()), 1e-9))
+    assert kl_only([example])["kl_full_sum"] < moved["kl_full_sum"]
 
 
 def test_only_full_and_speed_can_be_trained(tiny):
@@ -639,6 +697,8 @@ def test_cli_rejects_bad_training_options_before_loading(monkeypatch, capsys, tm
         (["--method", "pop:lcut=20"], "supports the methods 'full' and 'speed'"),
         (["--method", "speed:lcut"], "malformed method spec"),
         (["--distill", "2"], "distill must be in [0, 1]"),
+        (["--keep-full", "-1"], "keep-full must be >= 0"),
+        (["--keep-full", "1", "--method", "full"], "with --method full"),
         (["--data", "builtin:nosuch=1"], "no task 'nosuch'"),
         (["--data", str(tmp_path / "none.jsonl")], "neither"),
         (["--lora-r", "0"], "lora-r must be at least 1"),

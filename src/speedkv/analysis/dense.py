@@ -33,17 +33,62 @@ def speed_hidden(
     `full_depth` (bool [T]) names the full-depth positions outright instead of the rule's
     anchors and deep suffix: a sequence built in several prefills (a cached document, then
     a question; the turns of a chat) has one deep suffix per prefill."""
+    h, pos = _lower(backbone, rule, ids)
+    h, pos = _upper(backbone, rule, h, pos, prompt_len, header_tokens, full_depth, turn_tokens)
+    return backbone.final_norm(h)[0], pos
+
+
+def speed_and_full_hidden(
+    backbone: Backbone,
+    ids: torch.Tensor,
+    prompt_len: int,
+    rule: SpeedRule,
+    header_tokens: int | None = None,
+    turn_tokens: int | None = None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """`speed_hidden` under `rule`, its positions, and the same model's full-depth hidden
+    states [T, H] at every position, in one pass. Below the cutoff SPEED's layers are the
+    full model's (plain causal attention over every position, `SpeedRule.visibility`), so
+    they run once for both; only the upper layers run twice."""
+    h, pos = _lower(backbone, rule, ids)
+    full_rule = SpeedRule.full(backbone.shape.num_layers)
+    h_full = _layers(backbone, full_rule, range(rule.lcut, backbone.shape.num_layers), h, pos)
+    h_speed, pos_speed = _upper(
+        backbone, rule, h, pos, prompt_len, header_tokens, None, turn_tokens
+    )
+    return backbone.final_norm(h_speed)[0], pos_speed, backbone.final_norm(h_full)[0]
+
+
+def _lower(
+    backbone: Backbone, rule: SpeedRule, ids: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The layers below the cutoff over every position of ids: hidden states [1, T, H] and
+    positions [T]."""
     ids = ids.reshape(1, -1).to(backbone.device)
     pos = torch.arange(ids.shape[1], device=ids.device)
+    lower = range(min(rule.lcut, backbone.shape.num_layers))
+    return _layers(backbone, rule, lower, backbone.embed(ids), pos), pos
+
+
+def _upper(
+    backbone: Backbone,
+    rule: SpeedRule,
+    h: torch.Tensor,
+    pos: torch.Tensor,
+    prompt_len: int,
+    header_tokens: int | None,
+    full_depth: torch.Tensor | None,
+    turn_tokens: int | None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The layers from the cutoff up over the full-depth rows of `_lower`'s output."""
     layers = backbone.shape.num_layers
-    h = _layers(backbone, rule, range(min(rule.lcut, layers)), backbone.embed(ids), pos)
-    if rule.lcut < layers:
-        keep = full_depth.to(pos.device) if full_depth is not None else None
-        if keep is None:
-            keep = rule.full_depth(pos, prompt_len, rule.deep_tokens(header_tokens, turn_tokens))
-        h, pos = h[:, keep], pos[keep]
-        h = _layers(backbone, rule, range(rule.lcut, layers), h, pos)
-    return backbone.final_norm(h)[0], pos
+    if rule.lcut >= layers:
+        return h, pos
+    keep = full_depth.to(pos.device) if full_depth is not None else None
+    if keep is None:
+        keep = rule.full_depth(pos, prompt_len, rule.deep_tokens(header_tokens, turn_tokens))
+    h, pos = h[:, keep], pos[keep]
+    return _layers(backbone, rule, range(rule.lcut, layers), h, pos), pos
 
 
 def _layers(

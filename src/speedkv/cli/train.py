@@ -171,6 +171,15 @@ def train(
         float,
         typer.Option("--distill-temperature", help="Softmax temperature of the distillation KL."),
     ] = 1.0,
+    keep_full: Annotated[
+        float,
+        typer.Option(
+            "--keep-full",
+            help="Weight of a second KL term: the trained weights at full depth against the "
+            "untrained model at full depth, on the same response tokens. It keeps what full "
+            "depth answers while SPEED is trained; each step runs about twice as long.",
+        ),
+    ] = 0.0,
     bf16: Bf16 = None,
     save_every: Annotated[
         int, typer.Option("--save-every", help="Steps between checkpoints.")
@@ -224,6 +233,7 @@ def train(
         seed=seed,
         distill=distill,
         distill_temperature=distill_temperature,
+        keep_full=keep_full,
         bf16=_bf16_default(bf16, device),
         save_every=save_every,
         log_every=log_every,

@@ -21,7 +21,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from speedkv.analysis.dense import speed_hidden
+from speedkv.analysis.dense import speed_and_full_hidden, speed_hidden
 from speedkv.core.registry import MethodSpec, parse_spec
 from speedkv.errors import UserError
 from speedkv.hf.backbone import Backbone, ModelShape
@@ -72,8 +72,36 @@ def response_logits(
     if not 1 <= prompt_len < ids.numel():
         raise ValueError(f"prompt_len {prompt_len} leaves no prompt or no response")
     h, pos = speed_hidden(backbone, ids, prompt_len, rule, header_tokens, turn_tokens=turn_tokens)
-    rows = (pos >= prompt_len - 1) & (pos < ids.numel() - 1)
-    return backbone.logits(h[rows])
+    return backbone.logits(h[_response_rows(pos, prompt_len, ids.numel())])
+
+
+def response_logits_with_full(
+    backbone: Backbone,
+    ids: torch.Tensor,
+    prompt_len: int,
+    rule: SpeedRule,
+    header_tokens: int | None = None,
+    turn_tokens: int | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """`response_logits` under `rule` and at full depth, from one pass of the lower layers
+    (`speed_and_full_hidden`): the full-depth term of `--keep-full` costs only the upper
+    layers once more."""
+    if not 1 <= prompt_len < ids.numel():
+        raise ValueError(f"prompt_len {prompt_len} leaves no prompt or no response")
+    h, pos, h_full = speed_and_full_hidden(
+        backbone, ids, prompt_len, rule, header_tokens, turn_tokens
+    )
+    every = torch.arange(ids.numel(), device=pos.device)
+    return (
+        backbone.logits(h[_response_rows(pos, prompt_len, ids.numel())]),
+        backbone.logits(h_full[_response_rows(every, prompt_len, ids.numel())]),
+    )
+
+
+def _response_rows(pos: torch.Tensor, prompt_len: int, length: int) -> torch.Tensor:
+    """Bool over `pos`: the rows predicting a response token (the last prompt token and every
+    response token but the last)."""
+    return (pos >= prompt_len - 1) & (pos < length - 1)
 
 
 @dataclass
@@ -84,6 +112,15 @@ class LossParts:
     ce_sum: float
     kl_sum: float
     tokens: int
+    kl_full_sum: float = 0.0  # the trained weights at full depth against the teacher
+
+
+def distill_kl(student: torch.Tensor, teacher: torch.Tensor, temperature: float) -> torch.Tensor:
+    """KL(teacher || student) at `temperature`, summed over rows, scaled by T^2 so that its
+    gradient does not shrink with T."""
+    log_s = F.log_softmax(student / temperature, dim=-1)
+    log_t = F.log_softmax(teacher.to(student.device) / temperature, dim=-1)
+    return F.kl_div(log_s, log_t, log_target=True, reduction="sum") * temperature**2
 
 
 def example_loss(
@@ -92,23 +129,30 @@ def example_loss(
     teacher: torch.Tensor | None = None,
     distill: float = 0.0,
     temperature: float = 1.0,
+    student_full: torch.Tensor | None = None,
+    keep_full: float = 0.0,
 ) -> LossParts:
-    """(1 - distill) * cross-entropy on the targets + distill * KL(teacher || student) at
-    `temperature` (scaled by T^2 so its gradient does not shrink with T), summed over tokens.
+    """(1 - distill) * cross-entropy on the targets + distill * KL(teacher || student)
+    + keep_full * KL(teacher || student_full), summed over tokens.
 
-    student, teacher: logits [R, vocab]; targets: [R] token ids.
+    student, teacher, student_full: logits [R, vocab] (student_full: the trained weights at
+    full depth, only with keep_full > 0); targets: [R] token ids.
     """
     targets = targets.to(student.device)
     ce = F.cross_entropy(student, targets, reduction="sum")
     loss = ce
-    kl_value = 0.0
+    kl_value = kl_full_value = 0.0
     if teacher is not None and distill > 0:
-        log_s = F.log_softmax(student / temperature, dim=-1)
-        log_t = F.log_softmax(teacher.to(student.device) / temperature, dim=-1)
-        kl = F.kl_div(log_s, log_t, log_target=True, reduction="sum") * temperature**2
+        kl = distill_kl(student, teacher, temperature)
         loss = (1 - distill) * ce + distill * kl
         kl_value = float(kl.detach())
-    return LossParts(loss, float(ce.detach()), kl_value, int(targets.numel()))
+    if keep_full > 0:
+        if teacher is None or student_full is None:
+            raise ValueError("keep_full needs the teacher's and the full-depth student's logits")
+        kl_full = distill_kl(student_full, teacher, temperature)
+        loss = loss + keep_full * kl_full
+        kl_full_value = float(kl_full.detach())
+    return LossParts(loss, float(ce.detach()), kl_value, int(targets.numel()), kl_full_value)
 
 
 class SpeedObjective(torch.nn.Module):
@@ -116,16 +160,27 @@ class SpeedObjective(torch.nn.Module):
     model, or the HF model itself for full-parameter training) behind a forward that takes a
     batch of examples and returns the SPEED teacher-forcing loss.
 
-    The loss is averaged over the batch's response tokens. With `distill > 0` the teacher is
-    the untrained model (`weights.reference()`) at full depth, without gradients.
+    The loss is averaged over the batch's response tokens. With `distill > 0` or
+    `keep_full > 0` the teacher is the untrained model (`weights.reference()`) at full depth,
+    without gradients. `keep_full > 0` also runs the trained weights at full depth and pulls
+    them toward the teacher, so that they serve full-depth requests as before while they
+    learn SPEED (the upper layers run a second time, over every position).
     """
 
-    def __init__(self, weights, vis: Visibility, distill: float = 0.0, temperature: float = 1.0):
+    def __init__(
+        self,
+        weights,
+        vis: Visibility,
+        distill: float = 0.0,
+        temperature: float = 1.0,
+        keep_full: float = 0.0,
+    ):
         super().__init__()
         self.weights = weights
         self.model = weights.model  # registered: what the optimizer and DDP see
         self.vis = vis
         self.distill = distill
+        self.keep_full = keep_full
         self.temperature = temperature
         self.backbone = weights.backbone
         self.full = SpeedRule.full(self.backbone.shape.num_layers)
@@ -138,6 +193,7 @@ class SpeedObjective(torch.nn.Module):
             "loss": loss,
             "ce_sum": sum(p.ce_sum for p in parts),
             "kl_sum": sum(p.kl_sum for p in parts),
+            "kl_full_sum": sum(p.kl_full_sum for p in parts),
             "response_tokens": tokens,
             "sequence_tokens": sum(int(e.ids.numel()) for e in examples),
         }
@@ -145,10 +201,18 @@ class SpeedObjective(torch.nn.Module):
     def example_parts(self, example) -> LossParts:
         ids, prompt_len = example.ids, example.prompt_len
         chat = (example.header_tokens, example.turn_tokens)
-        student = response_logits(self.backbone, ids, prompt_len, self.vis, *chat)
+        student_full = None
+        if self.keep_full > 0:
+            student, student_full = response_logits_with_full(
+                self.backbone, ids, prompt_len, self.vis, *chat
+            )
+        else:
+            student = response_logits(self.backbone, ids, prompt_len, self.vis, *chat)
         teacher = None
-        if self.distill > 0:
+        if self.distill > 0 or self.keep_full > 0:
             with torch.no_grad(), self.weights.reference() as reference:
                 teacher = response_logits(reference, ids, prompt_len, self.full, *chat)
         targets = example.ids[example.prompt_len :]
-        return example_loss(student, targets, teacher, self.distill, self.temperature)
+        return example_loss(
+            student, targets, teacher, self.distill, self.temperature, student_full, self.keep_full
+        )

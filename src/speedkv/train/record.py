@@ -48,6 +48,7 @@ def training_record(loaded, spec: str, config, data: dict, trainable: int, comma
             "seq_len": config.seq_len,
             "distill": config.distill,
             "distill_temperature": config.distill_temperature,
+            "keep_full": config.keep_full,
             "bf16_autocast": config.bf16,
             "gradient_checkpointing": config.gradient_checkpointing,
         },

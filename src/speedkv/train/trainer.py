@@ -90,6 +90,7 @@ class TrainConfig:
     seed: int = 0
     distill: float = 0.0
     distill_temperature: float = 1.0
+    keep_full: float = 0.0  # weight of KL(untrained full || trained full), both at full depth
     bf16: bool = True
     save_every: int = 50
     log_every: int = 5
@@ -116,6 +117,7 @@ class TrainConfig:
             (self.warmup_steps >= 0, "warmup-steps must be >= 0"),
             (0 <= self.distill <= 1, f"distill must be in [0, 1], got {self.distill}"),
             (self.distill_temperature > 0, "distill-temperature must be positive"),
+            (self.keep_full >= 0, f"keep-full must be >= 0, got {self.keep_full}"),
             (self.save_every >= 1, f"save-every must be at least 1, got {self.save_every}"),
             (self.log_every >= 1, f"log-every must be at least 1, got {self.log_every}"),
             (self.probe_every >= 0, "probe-every must be >= 0 (0 turns probes off)"),
@@ -125,6 +127,11 @@ class TrainConfig:
         for ok, message in checks:
             if not ok:
                 raise UserError(message)
+        if self.keep_full > 0 and parse_spec(self.method).name == "full":
+            raise UserError(
+                "--keep-full pulls full depth toward the untrained model while SPEED is trained; "
+                "with --method full the trained rule is full depth itself (use --distill)"
+            )
         if parse_mix(self.data) is not None and self.seq_len < MIN_SEQ_LEN:
             raise UserError(f"seq-len of the built-in mix must be at least {MIN_SEQ_LEN}")
         if parse_mix(self.data) is None and not Path(self.data).is_file():
@@ -133,6 +140,11 @@ class TrainConfig:
                 ".jsonl file"
             )
         return self
+
+    @property
+    def needs_teacher(self) -> bool:
+        """Whether a loss term reads the untrained model's logits."""
+        return self.distill > 0 or self.keep_full > 0
 
     @property
     def examples_per_step(self) -> int:
@@ -192,7 +204,7 @@ def load_examples(config: TrainConfig, loaded, out: Path) -> tuple[list[Example]
 def trained_weights(loaded, config: TrainConfig):
     """What the run trains: LoRA adapters on `loaded`'s model, or all of its weights."""
     if config.full_parameters:
-        weights = FullWeights(loaded.hf_model, loaded.tokenizer, teacher=config.distill > 0)
+        weights = FullWeights(loaded.hf_model, loaded.tokenizer, teacher=config.needs_teacher)
     else:
         weights = LoraWeights(
             loaded.hf_model,
@@ -258,7 +270,7 @@ def make_trainer_class():
         def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
             outputs = model(**inputs)
             sums = self._sums
-            for key in ("ce_sum", "kl_sum", "response_tokens", "sequence_tokens"):
+            for key in ("ce_sum", "kl_sum", "kl_full_sum", "response_tokens", "sequence_tokens"):
                 sums[key] = sums.get(key, 0) + outputs[key]
             return (outputs["loss"], outputs) if return_outputs else outputs["loss"]
 
@@ -276,6 +288,8 @@ def make_trainer_class():
                 logs["ce"] = round(sums["ce_sum"] / sums["response_tokens"], 4)
                 if self.objective.distill > 0:
                     logs["kl"] = round(sums["kl_sum"] / sums["response_tokens"], 4)
+                if self.objective.keep_full > 0:
+                    logs["kl_full"] = round(sums["kl_full_sum"] / sums["response_tokens"], 4)
                 elapsed = now - sums.get("since", self.session_start)
                 logs["tokens_per_s"] = round(sums["sequence_tokens"] / max(elapsed, 1e-9), 1)
                 self.total_tokens = getattr(self, "total_tokens", 0) + sums["sequence_tokens"]
@@ -358,7 +372,7 @@ def run_training(
         )
     if config.full_parameters:  # before the data is built: a run that cannot fit stops now
         parts = full_training_bytes(
-            loaded.hf_model, config.seq_len, config.batch, config.distill > 0,
+            loaded.hf_model, config.seq_len, config.batch, config.needs_teacher,
             config.gradient_checkpointing,
         )  # fmt: skip
         check_fits(
@@ -371,7 +385,9 @@ def run_training(
         f"{data_info['response_tokens']} in responses): {data_info['kinds']}"
     )
     weights = trained_weights(loaded, config)
-    objective = SpeedObjective(weights, vis, config.distill, config.distill_temperature)
+    objective = SpeedObjective(
+        weights, vis, config.distill, config.distill_temperature, config.keep_full
+    )
     trainable = trainable_parameters(objective)
 
     trainer_class = make_trainer_class()
