@@ -63,6 +63,25 @@ def test_the_longest_boundary_whose_blocks_are_all_cached_wins():
     assert hit == 2 * ALIGN
 
 
+def test_a_windowed_group_takes_only_anchor_rows_past_the_bound():
+    """`max_rows` passes over records holding more rows than the anchors (a chat's earlier
+    deep rows) for a shorter boundary; `min_boundary` stops the search below the window rule's
+    bound. Records skipped this way stay for the groups that may reuse them."""
+    pool, index, hashes = Pool(), CompactPrefixIndex(), tokens(5)
+    for boundary, rows in [(1, 2), (2, 2), (3, 2), (4, 9)]:  # deep rows from boundary 4 on
+        key = f"k{boundary}".encode()
+        pool.put(key, boundary)
+        index.add(hashes[boundary - 1], Record(f"s{boundary}".encode(), rows, (key,)))
+    _, hit = index.longest_hit(hashes, 5 * ALIGN, [0], pool, ALIGN)
+    assert hit == 4 * ALIGN
+    blocks, hit = index.longest_hit(hashes, 5 * ALIGN, [0], pool, ALIGN, max_rows=2)
+    assert hit == 3 * ALIGN and blocks == ([Block(3)],)
+    _, hit = index.longest_hit(hashes, 5 * ALIGN, [0], pool, ALIGN, max_rows=2,
+                               min_boundary=3 * ALIGN + 1)  # fmt: skip
+    assert hit == 0
+    assert index.candidates(hashes[3])  # the deep-row record is kept
+
+
 def test_a_record_with_an_evicted_block_is_skipped_and_dropped():
     pool, index, hashes = Pool(), CompactPrefixIndex(), tokens(2)
     pool.put(b"a", 1)

@@ -151,15 +151,15 @@ def speed_overrides(arch: str = "SpeedLlamaForCausalLM", **more):
                    "head_dim": 32}, "SpeedQwen3ForCausalLM"),
     ],
 )  # fmt: skip
-def test_sliding_window_models_start_without_prefix_caching(tmp_path, family, options, arch):
+def test_sliding_window_models_start_with_prefix_caching(tmp_path, family, options, arch):
     """SPEED selected by hand on a sliding-window model: the configuration builds, with the
-    window the rule reads and vLLM's prefix caching turned off (the windowed layout does not
-    record prefixes yet); asked for, it is refused (test_vllm_sliding_window.py)."""
+    window the rule reads and vLLM's prefix caching left on (a windowed group reuses prefixes
+    whose upper rows are the anchors alone: test_vllm_sliding_window.py)."""
     model = tiny_config(tmp_path, family, **options)
     config = EngineArgs(model=str(model), hf_overrides=speed_overrides(arch), dtype="float32",
                         skip_tokenizer_init=True).create_engine_config()  # fmt: skip
     assert support.sliding_window(config) == 64
-    assert config.cache_config.enable_prefix_caching is False
+    assert config.cache_config.enable_prefix_caching is True
 
 
 def test_a_window_of_unknown_size_is_refused_at_llm(tmp_path):

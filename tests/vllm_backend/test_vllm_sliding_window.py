@@ -22,7 +22,7 @@ from speedkv.methods.speed import SpeedRule
 from speedkv.vllm.args import engine_args
 
 from conftest import LONG_TESTS, save_tiny_checkpoint, vllm_engine
-from test_vllm_prefix_cache import Replay, Served, check
+from test_vllm_prefix_cache import BLOCK, Replay, Served, check, serve
 
 WINDOW = 48
 LAYERS = 6
@@ -89,7 +89,7 @@ def test_speed_on_a_windowed_model_equals_the_engine_and_the_dense_reference(che
         pytest.skip("SPEEDKV_LONG_TESTS=1 (make test-long) runs it")
     args = engine_args(METHOD, directory)
     assert args["hf_overrides"]["architectures"] == [arch]
-    assert args["enable_prefix_caching"] is False
+    assert "enable_prefix_caching" not in args  # vLLM's default: on
     prompts = random_ids(LENGTHS, seed=1)
     sampling = VllmSampling(temperature=0.0, max_tokens=NEW, ignore_eos=True, logprobs=0,
                             detokenize=False)  # fmt: skip
@@ -108,11 +108,33 @@ def test_speed_on_a_windowed_model_equals_the_engine_and_the_dense_reference(che
     check(Replay(wrap_model(model), METHOD, new=NEW), served)
 
 
+def test_prefix_caching_reuses_prefixes_whose_upper_rows_are_the_anchors(checkpoint):
+    """Prefix caching on a windowed model. vLLM's sliding-window groups keep the blocks for a
+    hit at a prompt's last block boundary only. A 386-token prompt (deep from 383) leaves its
+    record at 384, where the upper layers hold row 383 besides the anchors. A prompt that
+    continues it by 10 tokens reuses nothing: its deep rows start at 393, so row 383 is inside
+    their window, but the windowed layout keeps reused rows in the anchors' block, which a deep
+    row never reads (taking that hit gives other tokens: checked by hand). A 320-token question
+    on the same document leaves its record at 256, where the upper layers hold the anchors
+    alone: the next question reuses it. Each answer equals the dense reference with that depth
+    history (speedkv's engine drops entries that leave a window, so it cannot continue a cache
+    cut at an earlier token; its fresh prefills are checked above)."""
+    directory, model, arch = checkpoint
+    doc, ask, more, q1, q2 = random_ids([300, 86, 10, 20, 80], seed=2)
+    steps = [
+        lambda served: doc + ask,  # 0: fresh; its record at 384 holds a deep row
+        lambda served: doc + ask + more,  # 1: the same prompt, continued by 10 tokens
+        lambda served: doc + q1,  # 2: a question; its record at 256 holds the anchors
+        lambda served: doc + q2,  # 3: another question on the document
+    ]
+    served = serve(directory, METHOD, steps, new=NEW, skip_tokenizer_init=True)
+    assert [s.hit for s in served] == [0, 0, 0, 2 * BLOCK]
+    check(Replay(wrap_model(model), METHOD, new=NEW, replay=False), served)
+
+
 def test_stock_blocks_are_refused_on_a_windowed_model(tmp_path):
     """Stock upper-layer blocks, whose window manager would free the blocks holding compact
-    rows: refused with one sentence at `LLM(...)`. (Prefix caching, whose reused deep rows would
-    break the windowed layout's run of consecutive rows, is turned off with a log line:
-    test_vllm_refusals.py.)"""
+    rows: refused with one sentence at `LLM(...)`."""
     from vllm import LLM
 
     _, arch = tiny_checkpoint("mistral", tmp_path)

@@ -112,6 +112,4 @@ def engine_args(method: str, directory: str | Path) -> dict[str, Any]:
         # torch.compile stays on (each half of the layer loop is compiled: stacks.py)
         "compilation_config": {"cudagraph_mode": "NONE"},
     }
-    if shape.windowed:  # not yet with a sliding window (support.py)
-        args["enable_prefix_caching"] = False
     return args

@@ -203,9 +203,23 @@ class SpeedUpperManager(FullAttentionManager):
     def find_longest_cache_hit(cls, block_hashes, max_length, kv_cache_group_ids, block_pool,
                                kv_cache_spec, drop_eagle_block, alignment_tokens,
                                dcp_world_size=1, pcp_world_size=1):  # fmt: skip
-        """The longest boundary up to `max_length` whose compact rows are all still cached."""
+        """The longest boundary up to `max_length` whose compact rows are all still cached.
+
+        A windowed (segmented) group reuses only a prefix whose upper rows are its anchors
+        alone, at a boundary no earlier than the window rule's bound (`window + anchors - 1`).
+        Such a hit leaves the request the layout of a fresh prefill: the anchors' block, then
+        one run of consecutive deep rows, which see no anchor (`compact.segmented`). A prefix
+        that holds earlier deep rows keeps them in the blocks before the deep segment, which a
+        deep row never reads; by position they may be inside its window (a prompt that
+        continues an earlier one by a few tokens). The lookup passes over such a record for
+        the longest prefix without one."""
+        narrowed = {}
+        if kv_cache_spec.speed_segmented:
+            anchors = kv_cache_spec.speed_anchors
+            bound = kv_cache_spec.speed_window + anchors - 1 if anchors else 0
+            narrowed = {"max_rows": anchors, "min_boundary": bound}
         return index_of(block_pool).longest_hit(
-            block_hashes, max_length, kv_cache_group_ids, block_pool, alignment_tokens
+            block_hashes, max_length, kv_cache_group_ids, block_pool, alignment_tokens, **narrowed
         )
 
     def pop_blocks_for_free(self, request_id: str) -> list[KVCacheBlock]:

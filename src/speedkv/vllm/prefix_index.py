@@ -68,14 +68,20 @@ class CompactPrefixIndex:
         self._hits: OrderedDict[tuple[int, tuple[int, ...]], Record] = OrderedDict()
 
     def longest_hit(self, block_hashes, max_length: int, group_ids: list[int], block_pool,
-                    alignment: int) -> tuple[tuple[list, ...], int]:  # fmt: skip
+                    alignment: int, max_rows: int | None = None,
+                    min_boundary: int = 0) -> tuple[tuple[list, ...], int]:  # fmt: skip
         """The cached blocks of each group in `group_ids` for the longest boundary up to
         `max_length` (a multiple of `alignment`) with a record whose blocks are all cached,
-        and that boundary; no blocks and 0 if there is none."""
+        and that boundary; no blocks and 0 if there is none. `max_rows` and `min_boundary`
+        narrow the records a windowed group may reuse (`kv_spec.SpeedUpperManager`)."""
         hash_size = block_pool.hash_block_size
         for boundary in range(max_length - max_length % alignment, 0, -alignment):
+            if boundary < min_boundary:
+                break
             token_hash = block_hashes[boundary // hash_size - 1]
             for record in self.candidates(token_hash):
+                if max_rows is not None and record.rows > max_rows:
+                    continue
                 found: list[list] = [[] for _ in group_ids]
                 for key in record.keys:
                     blocks = block_pool.get_cached_block(key, group_ids)

@@ -21,11 +21,9 @@ refusing vLLM's default:
   bypassing the upper layers' compact write (`attention.write_compact_kv`);
 - no prefix caching where the upper layers keep stock blocks (`speedkv_compact_kv` false, or
   pipeline stages that need it): their compact rows sit in a request's first blocks, which a
-  prefix hit would share. With their own blocks, prefix caching works (`prefix_index.py`),
-  except on a sliding-window model: its windowed groups' kernel window counts compact rows,
-  which equals the window over positions only while a request's deep rows are consecutive
-  (`compact.segmented`), and a reused prefix's earlier deep rows break that run. There it is
-  turned off too, with a log line.
+  prefix hit would share. With their own blocks, prefix caching works (`prefix_index.py`);
+  on a sliding-window model a windowed group reuses only prefixes whose upper rows are the
+  anchors alone (`kv_spec.SpeedUpperManager.find_longest_cache_hit`).
 
 Every field is read with a default (`_field`): a newer vLLM that drops one gets the refusal or
 the default, never an AttributeError.
@@ -118,14 +116,6 @@ def _refusals(config: Any, compact_kv: bool) -> list[tuple[Callable[[], bool], s
             "vLLM's window manager would free the blocks that hold their compact rows",
         ),
         (
-            # `prepare` turns it off; a worker that finds it on was configured elsewhere
-            lambda: (
-                sliding_window(config) is not None
-                and bool(get("cache_config", "enable_prefix_caching"))
-            ),
-            "SPEED does not run vLLM's prefix caching on sliding-window models yet",
-        ),
-        (
             lambda: get("cache_config", "kv_offloading_size") is not None,
             "SPEED does not run with KV offloading (kv_offloading_size): the offloading "
             "connector would move the upper layers' compact K/V as if it were ordinary K/V",
@@ -212,12 +202,6 @@ def prepare(config: Any, compact_kv: bool = True) -> None:
     vLLM's config hook, before the rest of vLLM's configuration is resolved."""
     require_supported()  # before anything of this vLLM's configuration is read
     compact_kv = _choose_blocks(config, compact_kv)
-    cache = _field(config, "cache_config")
-    if sliding_window(config) is not None and _field(cache, "enable_prefix_caching") is not False:
-        # a reused prefix's deep rows would break the windowed groups' consecutive run
-        cache.enable_prefix_caching = False
-        log("SPEED on a sliding-window model turns vLLM's prefix caching off (docs/vllm.md)",
-            source="vllm")  # fmt: skip
     if not compact_kv and _field(config, "cache_config", "enable_prefix_caching"):
         # stock blocks hold the upper layers' compact rows in a request's first blocks, which
         # a prefix hit would share: no prefix caching there
