@@ -44,52 +44,61 @@ class Served:
 @dataclass
 class Replay:
     """speedkv's engine replaying vLLM's requests from the same cached prefixes, and the depth
-    history of every finished request (prompt and the tokens fed back). With `engine=False`
-    only the depth histories are kept, for the dense reference alone: on a sliding-window
-    model the engine's cache drops entries that leave the window, so it cannot be cut at an
-    earlier token as vLLM's block cache can."""
+    history of every finished request (its prompt, and the tokens fed back).
+
+    On a sliding-window model the engine's cache drops entries that leave the window as it
+    generates, so it cannot be cut at an earlier token. There a hit that falls inside the
+    earlier request's prompt (where vLLM's sliding-window groups keep their blocks) is replayed
+    from that prompt prefilled again and not generated from: the same entries, none dropped."""
 
     model: object
     method: str
     new: int = NEW
-    engine: Engine | None = None
-    replay: bool = True
-    histories: list[tuple[list[int], CachedPrefix | None, set[int]]] = field(default_factory=list)
+    engine: Engine = field(init=False)
+    histories: list[tuple[list[int], CachedPrefix, set[int], int]] = field(default_factory=list)
 
     def __post_init__(self) -> None:
-        # a store that never serves a lookup: each request names its prefix, or starts fresh
-        if self.replay:
-            self.engine = Engine(self.model, prefix_cache=PrefixCache(2**32, min_tokens=10**9))
+        self.engine = self.new_engine()
         self.policy = make_policy(self.method, self.model.shape)
         self.rule = SpeedRule.of(self.policy)
 
-    def run(self, ids: list[int], hit: int, served: list[int]) -> tuple[list[int], set[int]]:
+    def run(self, ids: list[int], hit: int) -> tuple[list[int], set[int]]:
         """The engine's tokens for `ids` reusing `hit` tokens of the latest request that has
-        them (vLLM's `served` tokens without the engine), and the positions of `ids` that run
-        every layer."""
+        them, and the positions of `ids` that run every layer."""
         prefix, depth = None, set(range(min(self.rule.anchors, len(ids))))
         if hit:
-            fed, cache, earlier = next(
+            fed, cache, earlier, prompt_len = next(
                 h for h in reversed(self.histories) if common_prefix(h[0], ids) >= hit
             )
-            if cache is not None:
-                prefix = CachedPrefix(fed[:hit], cache.method, cache.cache)
+            shape = self.model.shape
+            windows = [shape.window(layer) for layer in range(shape.num_layers)]
+            if shape.windowed and not cache.cache.covers(windows, hit):
+                assert hit <= prompt_len, "a windowed hit past the earlier prompt"
+                cache = self.generate(fed[:prompt_len], None, new=1, engine=self.new_engine())[1]
+            prefix = CachedPrefix(fed[:hit], cache.method, cache.cache)
             depth = {p for p in earlier if p < hit}
         prompt = len(ids)
         deep = self.rule.deep_for(prompt, self.rule.deep_tokens(None, None))
         depth |= set(range(max(hit, prompt - deep), prompt))
-        kept, tokens = None, served
-        if self.engine is not None:
-            sampling = SamplingParams(max_new_tokens=self.new, ignore_eos=True)
-            request = Request(ids, self.policy, sampling, None, None, prefix)
-            done = self.engine.generate([request])[0]
-            assert done.reused_tokens == hit
-            tokens = done.output_ids
+        tokens, kept = self.generate(ids, prefix, self.new, hit)
         fed = ids + tokens[:-1]
-        if self.engine is not None:
-            kept = next(e for e in self.engine.prefix_cache._entries.values() if e.ids == fed)
-        self.histories.append((fed, kept, depth | set(range(prompt, len(fed)))))
+        self.histories.append((fed, kept, depth | set(range(prompt, len(fed))), prompt))
         return tokens, depth
+
+    def new_engine(self) -> Engine:
+        # a store that never serves a lookup: each request names its prefix, or starts fresh
+        return Engine(self.model, prefix_cache=PrefixCache(2**32, min_tokens=10**9))
+
+    def generate(self, ids: list[int], prefix: CachedPrefix | None, new: int, hit: int = 0,
+                 engine: Engine | None = None) -> tuple[list[int], object]:  # fmt: skip
+        """The engine's tokens and the cache entry it keeps for `ids` + all but the last."""
+        engine = engine or self.engine
+        sampling = SamplingParams(max_new_tokens=new, ignore_eos=True)
+        done = engine.generate([Request(ids, self.policy, sampling, None, None, prefix)])[0]
+        assert done.reused_tokens == hit
+        fed = ids + done.output_ids[:-1]
+        kept = next(e for e in engine.prefix_cache._entries.values() if e.ids == fed)
+        return done.output_ids, kept
 
     def dense(self, ids: list[int], tokens: list[int], depth: set[int]) -> torch.Tensor:
         """The dense reference's log-probabilities [new tokens, vocabulary] where `tokens` are
@@ -207,7 +216,7 @@ def check(replay: Replay, served: list[Served], skip: tuple[int, ...] = ()) -> N
     for i, request in enumerate(served):
         if i in skip:
             continue
-        tokens, depth = replay.run(request.ids, request.hit, request.tokens)
+        tokens, depth = replay.run(request.ids, request.hit)
         assert request.tokens == tokens, f"request {i}, {request.hit} tokens reused"
         reference = replay.dense(request.ids, tokens, depth)
         assert reference.argmax(-1).tolist() == tokens, f"request {i}"

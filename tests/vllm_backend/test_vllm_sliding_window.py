@@ -116,9 +116,8 @@ def test_prefix_caching_reuses_prefixes_whose_upper_rows_are_the_anchors(checkpo
     their window, but the windowed layout keeps reused rows in the anchors' block, which a deep
     row never reads (taking that hit gives other tokens: checked by hand). A 320-token question
     on the same document leaves its record at 256, where the upper layers hold the anchors
-    alone: the next question reuses it. Each answer equals the dense reference with that depth
-    history (speedkv's engine drops entries that leave a window, so it cannot continue a cache
-    cut at an earlier token; its fresh prefills are checked above)."""
+    alone: the next question reuses it. Each answer equals speedkv's engine continuing the same
+    prefix (`Replay`) and the dense reference with that depth history."""
     directory, model, arch = checkpoint
     doc, ask, more, q1, q2 = random_ids([300, 86, 10, 20, 80], seed=2)
     steps = [
@@ -129,7 +128,7 @@ def test_prefix_caching_reuses_prefixes_whose_upper_rows_are_the_anchors(checkpo
     ]
     served = serve(directory, METHOD, steps, new=NEW, skip_tokenizer_init=True)
     assert [s.hit for s in served] == [0, 0, 0, 2 * BLOCK]
-    check(Replay(wrap_model(model), METHOD, new=NEW, replay=False), served)
+    check(Replay(wrap_model(model), METHOD, new=NEW), served)
 
 
 def test_stock_blocks_are_refused_on_a_windowed_model(tmp_path):
