@@ -69,8 +69,7 @@ def response_logits(
     """Float32 logits [R, vocab] of the rows predicting the response ids[prompt_len:]: the
     last prompt token (always in the deep suffix) and every response token but the last.
     `header_tokens` / `turn_tokens` are the prompt's, for `deep=header` / `deep=turn`."""
-    if not 1 <= prompt_len < ids.numel():
-        raise ValueError(f"prompt_len {prompt_len} leaves no prompt or no response")
+    _check_split(ids, prompt_len)
     h, pos = speed_hidden(backbone, ids, prompt_len, rule, header_tokens, turn_tokens=turn_tokens)
     return backbone.logits(h[_response_rows(pos, prompt_len, ids.numel())])
 
@@ -86,8 +85,7 @@ def response_logits_with_full(
     """`response_logits` under `rule` and at full depth, from one pass of the lower layers
     (`speed_and_full_hidden`): the full-depth term of `--keep-full` costs only the upper
     layers once more."""
-    if not 1 <= prompt_len < ids.numel():
-        raise ValueError(f"prompt_len {prompt_len} leaves no prompt or no response")
+    _check_split(ids, prompt_len)
     h, pos, h_full = speed_and_full_hidden(
         backbone, ids, prompt_len, rule, header_tokens, turn_tokens
     )
@@ -96,6 +94,11 @@ def response_logits_with_full(
         backbone.logits(h[_response_rows(pos, prompt_len, ids.numel())]),
         backbone.logits(h_full[_response_rows(every, prompt_len, ids.numel())]),
     )
+
+
+def _check_split(ids: torch.Tensor, prompt_len: int) -> None:
+    if not 1 <= prompt_len < ids.numel():
+        raise ValueError(f"prompt_len {prompt_len} leaves no prompt or no response")
 
 
 def _response_rows(pos: torch.Tensor, prompt_len: int, length: int) -> torch.Tensor:
