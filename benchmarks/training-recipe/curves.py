@@ -141,6 +141,11 @@ STEPS = [
             speed(22, "bos", 1) + ",stride=40",
             ((0, "smol-design-base-stride"), (300, "smol-design-r6")),
         ),
+        (
+            "run 7 (LoRA, deep=1, --keep-full 1), against untrained full",
+            speed(22, "bos", 1),
+            ((300, "smol-design-r7"),),
+        ),
     )
     for steps, run in runs
     for run, full in [(f"smollm2-design-seed1/{run}", "smollm2-design-seed1/smol-design-base")]
