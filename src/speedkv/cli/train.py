@@ -177,7 +177,7 @@ def train(
             "--keep-full",
             help="Weight of a second KL term: the trained weights at full depth against the "
             "untrained model at full depth, on the same response tokens. It keeps what full "
-            "depth answers while SPEED is trained; each step runs about twice as long.",
+            "depth answers while SPEED is trained; the upper layers run a second time each step.",
         ),
     ] = 0.0,
     bf16: Bf16 = None,
