@@ -20,6 +20,7 @@ from speedkv.hf.loading import LoadedModel
 from speedkv.train.forward import (
     SpeedObjective,
     example_loss,
+    hidden_match,
     response_logits,
     response_logits_with_full,
     visibility_for,
@@ -328,6 +329,77 @@ def test_keep_full_pulls_full_depth_toward_the_untrained_model(tiny):
         for param in lora:
             param.sub_(param.grad * 1e-2 / max(float(param.grad.abs().max()), 1e-9))
     assert kl_only([example])["kl_full_sum"] < moved["kl_full_sum"]
+
+
+def test_hidden_match_is_relative_squared_error_averaged_over_layers():
+    torch.manual_seed(1)
+    t = {3: torch.randn(4, 6), 4: 10 * torch.randn(4, 6)}
+    s = {3: t[3] + 0.1, 4: t[4] * 1.5}
+    rel3 = ((s[3] - t[3]).pow(2).sum(-1) / t[3].pow(2).sum(-1)).sum()
+    rel4 = torch.full((4,), 0.25).sum()  # (1.5 t - t)^2 / t^2 on every row, whatever t's scale
+    assert torch.isclose(hidden_match(s, t), (rel3 + rel4) / 2, atol=1e-5)
+    assert float(hidden_match(t, t)) == 0.0
+    with pytest.raises(ValueError, match="every student layer"):
+        hidden_match({5: t[3]}, t)
+    student, targets = torch.randn(4, 11), torch.tensor([1, 2, 3, 4])
+    ce = torch.nn.functional.cross_entropy(student, targets, reduction="sum")
+    parts = example_loss(student, targets, None, student_states=s, teacher_states=t,
+                         match_hidden=0.5)  # fmt: skip
+    assert torch.isclose(parts.loss_sum, ce + 0.5 * hidden_match(s, t), atol=1e-5)
+    assert parts.hidden_sum == pytest.approx(float(hidden_match(s, t)), rel=1e-5)
+    with pytest.raises(ValueError, match="match_hidden needs"):
+        example_loss(student, targets, match_hidden=1.0)
+
+
+@pytest.mark.parametrize("spec", SPECS)
+def test_response_states_are_the_upper_layers_at_the_response_rows(tiny, spec):
+    """--match-hidden's states: the layers from the cutoff up under SPEED, every layer at
+    full depth, at the rows whose final states give the response logits."""
+    ids = torch.tensor(random_prompt(40, seed=5))
+    vis = visibility_for(spec, tiny.shape)
+    full_rule = visibility_for("full", tiny.shape)
+    speed_states: dict[int, torch.Tensor] = {}
+    full_states: dict[int, torch.Tensor] = {}
+    logits = response_logits(tiny.backbone, ids, 31, vis, 3, 3, speed_states)
+    response_logits(tiny.backbone, ids, 31, full_rule, 3, 3, full_states)
+    layers = tiny.shape.num_layers
+    assert sorted(full_states) == list(range(layers))
+    first = 0 if vis.lcut >= layers else vis.lcut  # full depth: every layer
+    assert sorted(speed_states) == list(range(first, layers))
+    for layer, rows in speed_states.items():
+        assert rows.shape == full_states[layer].shape == (9, tiny.shape.hidden_size)
+    last = tiny.backbone.logits(tiny.backbone.final_norm(full_states[layers - 1][None])[0])
+    full_logits = response_logits(tiny.backbone, ids, 31, full_rule, 3, 3)
+    assert torch.allclose(last, full_logits, atol=1e-5)
+    if vis.lcut >= layers:  # full depth: the states are the teacher's own
+        assert torch.allclose(logits, full_logits, atol=1e-5)
+
+
+def test_match_hidden_pulls_speed_toward_full_depth(tiny):
+    """--match-hidden: a small step along its gradient lowers the hidden-state error."""
+    from speedkv.train.data import Example
+
+    weights = LoraWeights(copy.deepcopy(tiny.hf_model), r=4, alpha=8)
+    spec = "speed:lcut=2,anchors=bos,deep=1"
+    objective = SpeedObjective(weights, visibility_for(spec, tiny.shape), match_hidden=1.0)
+    example = Example(torch.tensor(random_prompt(30, seed=8)), 24, None, "test")
+    before = objective([example])
+    assert before["hidden_sum"] > 1e-4  # untrained SPEED differs from full depth
+    # the gradient of the hidden-state term alone (loss_sum also holds the cross-entropy)
+    states: dict[int, torch.Tensor] = {}
+    teacher: dict[int, torch.Tensor] = {}
+    response_logits(weights.backbone, example.ids, 24, objective.vis, None, None, states)
+    with torch.no_grad(), weights.reference() as reference:
+        response_logits(reference, example.ids, 24, objective.full, None, None, teacher)
+    weights.model.zero_grad()
+    hidden_match(states, teacher).backward()
+    lora = [p for n, p in weights.model.named_parameters() if "lora_B" in n]
+    with torch.no_grad():
+        for param in lora:
+            param.sub_(param.grad * 1e-3 / max(float(param.grad.abs().max()), 1e-9))
+    assert objective([example])["hidden_sum"] < before["hidden_sum"]
+    with pytest.raises(ValueError, match="not combined"):
+        SpeedObjective(weights, objective.vis, keep_full=1.0, match_hidden=1.0)
 
 
 def test_only_full_and_speed_can_be_trained(tiny):
@@ -699,6 +771,9 @@ def test_cli_rejects_bad_training_options_before_loading(monkeypatch, capsys, tm
         (["--distill", "2"], "distill must be in [0, 1]"),
         (["--keep-full", "-1"], "keep-full must be >= 0"),
         (["--keep-full", "1", "--method", "full"], "with --method full"),
+        (["--match-hidden", "-1"], "match-hidden must be >= 0"),
+        (["--match-hidden", "1", "--method", "full"], "no SPEED layers"),
+        (["--match-hidden", "1", "--keep-full", "1"], "not combined"),
         (["--data", "builtin:nosuch=1"], "no task 'nosuch'"),
         (["--data", str(tmp_path / "none.jsonl")], "neither"),
         (["--lora-r", "0"], "lora-r must be at least 1"),

@@ -24,17 +24,23 @@ def speed_hidden(
     header_tokens: int | None = None,
     full_depth: torch.Tensor | None = None,
     turn_tokens: int | None = None,
+    taps: dict[int, torch.Tensor] | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Final-normed hidden states [m, H] at every full-depth position of `ids` ([T] or
     [1, T]) under `rule`, and those positions [m]. With lcut == L every position is full
     depth and this is the model's ordinary forward. `header_tokens` and `turn_tokens` size
     the deep suffix of `deep=header` and `deep=turn` (SpeedRule.deep_tokens).
 
+    `taps`, if given, receives each layer's output [1, rows, H] by layer index: a lower
+    layer's over every position, an upper layer's over the returned positions.
+
     `full_depth` (bool [T]) names the full-depth positions outright instead of the rule's
     anchors and deep suffix: a sequence built in several prefills (a cached document, then
     a question; the turns of a chat) has one deep suffix per prefill."""
-    h, pos = _lower(backbone, rule, ids)
-    h, pos = _upper(backbone, rule, h, pos, prompt_len, header_tokens, full_depth, turn_tokens)
+    h, pos = _lower(backbone, rule, ids, taps)
+    h, pos = _upper(
+        backbone, rule, h, pos, prompt_len, header_tokens, full_depth, turn_tokens, taps
+    )
     return backbone.final_norm(h)[0], pos
 
 
@@ -60,14 +66,17 @@ def speed_and_full_hidden(
 
 
 def _lower(
-    backbone: Backbone, rule: SpeedRule, ids: torch.Tensor
+    backbone: Backbone,
+    rule: SpeedRule,
+    ids: torch.Tensor,
+    taps: dict[int, torch.Tensor] | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """The layers below the cutoff over every position of ids: hidden states [1, T, H] and
     positions [T]."""
     ids = ids.reshape(1, -1).to(backbone.device)
     pos = torch.arange(ids.shape[1], device=ids.device)
     lower = range(min(rule.lcut, backbone.shape.num_layers))
-    return _layers(backbone, rule, lower, backbone.embed(ids), pos), pos
+    return _layers(backbone, rule, lower, backbone.embed(ids), pos, taps), pos
 
 
 def _upper(
@@ -79,6 +88,7 @@ def _upper(
     header_tokens: int | None,
     full_depth: torch.Tensor | None,
     turn_tokens: int | None,
+    taps: dict[int, torch.Tensor] | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """The layers from the cutoff up over the full-depth rows of `_lower`'s output."""
     layers = backbone.shape.num_layers
@@ -88,11 +98,16 @@ def _upper(
     if keep is None:
         keep = rule.full_depth(pos, prompt_len, rule.deep_tokens(header_tokens, turn_tokens))
     h, pos = h[:, keep], pos[keep]
-    return _layers(backbone, rule, range(rule.lcut, layers), h, pos), pos
+    return _layers(backbone, rule, range(rule.lcut, layers), h, pos, taps), pos
 
 
 def _layers(
-    backbone: Backbone, rule: SpeedRule, layers: range, h: torch.Tensor, pos: torch.Tensor
+    backbone: Backbone,
+    rule: SpeedRule,
+    layers: range,
+    h: torch.Tensor,
+    pos: torch.Tensor,
+    taps: dict[int, torch.Tensor] | None = None,
 ) -> torch.Tensor:
     """Run `layers` (all on one side of the cutoff) over h. Layers with the same sliding
     window (or none) share one mask."""
@@ -102,6 +117,8 @@ def _layers(
         if window not in masks:
             masks[window] = rule.visibility(layer, pos, pos, window)[None, None]
         h = backbone.hf_layer(layer, h, masks[window], pos)
+        if taps is not None:
+            taps[layer] = h
     return h
 
 

@@ -180,6 +180,16 @@ def train(
             "depth answers while SPEED is trained; the upper layers run a second time each step.",
         ),
     ] = 0.0,
+    match_hidden: Annotated[
+        float,
+        typer.Option(
+            "--match-hidden",
+            help="Weight of a hidden-state term: SPEED's states after each layer from the cutoff "
+            "up, against the untrained model's at full depth, at the rows that predict the "
+            "response (squared error relative to the teacher's norm, summed over tokens, "
+            "averaged over layers). Not combined with --keep-full.",
+        ),
+    ] = 0.0,
     bf16: Bf16 = None,
     save_every: Annotated[
         int, typer.Option("--save-every", help="Steps between checkpoints.")
@@ -234,6 +244,7 @@ def train(
         distill=distill,
         distill_temperature=distill_temperature,
         keep_full=keep_full,
+        match_hidden=match_hidden,
         bf16=_bf16_default(bf16, device),
         save_every=save_every,
         log_every=log_every,

@@ -27,7 +27,7 @@ def progress_callback():
         def on_log(self, args, state, control, logs=None, **kwargs):
             if self.bar is None or not logs or "loss" not in logs:
                 return
-            shown = {k: logs[k] for k in ("loss", "ce", "kl") if k in logs}
+            shown = {k: logs[k] for k in ("loss", "ce", "kl", "kl_full", "hidden") if k in logs}
             shown["lr"] = f"{logs.get('learning_rate', 0):.1e}"
             shown["tok/s"] = logs.get("tokens_per_s")
             self.bar.set_postfix(shown, refresh=True)

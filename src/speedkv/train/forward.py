@@ -65,13 +65,26 @@ def response_logits(
     rule: SpeedRule,
     header_tokens: int | None = None,
     turn_tokens: int | None = None,
+    states: dict[int, torch.Tensor] | None = None,
 ) -> torch.Tensor:
     """Float32 logits [R, vocab] of the rows predicting the response ids[prompt_len:]: the
     last prompt token (always in the deep suffix) and every response token but the last.
-    `header_tokens` / `turn_tokens` are the prompt's, for `deep=header` / `deep=turn`."""
+    `header_tokens` / `turn_tokens` are the prompt's, for `deep=header` / `deep=turn`.
+
+    `states`, if given, receives the hidden states [R, H] of the same rows after each layer
+    that runs over them at full depth: the layers from the cutoff up (every layer at full
+    depth)."""
     _check_split(ids, prompt_len)
-    h, pos = speed_hidden(backbone, ids, prompt_len, rule, header_tokens, turn_tokens=turn_tokens)
-    return backbone.logits(h[_response_rows(pos, prompt_len, ids.numel())])
+    taps: dict[int, torch.Tensor] | None = {} if states is not None else None
+    h, pos = speed_hidden(
+        backbone, ids, prompt_len, rule, header_tokens, turn_tokens=turn_tokens, taps=taps
+    )
+    rows = _response_rows(pos, prompt_len, ids.numel())
+    if taps is not None and states is not None:
+        # below the cutoff a layer's rows are every position, not `pos`
+        first = 0 if rule.lcut >= backbone.shape.num_layers else rule.lcut
+        states.update({layer: out[0, rows] for layer, out in taps.items() if layer >= first})
+    return backbone.logits(h[rows])
 
 
 def response_logits_with_full(
@@ -116,6 +129,7 @@ class LossParts:
     kl_sum: float
     tokens: int
     kl_full_sum: float = 0.0  # the trained weights at full depth against the teacher
+    hidden_sum: float = 0.0  # the upper layers' relative squared error against the teacher's
 
 
 def distill_kl(student: torch.Tensor, teacher: torch.Tensor, temperature: float) -> torch.Tensor:
@@ -126,6 +140,22 @@ def distill_kl(student: torch.Tensor, teacher: torch.Tensor, temperature: float)
     return F.kl_div(log_s, log_t, log_target=True, reduction="sum") * temperature**2
 
 
+def hidden_match(
+    student: dict[int, torch.Tensor], teacher: dict[int, torch.Tensor]
+) -> torch.Tensor:
+    """The student's hidden states against the teacher's at the same rows, in every layer
+    the student has: ||s - t||^2 / ||t||^2 per row, summed over rows, averaged over layers.
+    Relative, so that layers whose residual stream is larger do not outweigh the rest."""
+    if not student or set(student) - set(teacher):
+        raise ValueError("hidden matching needs the teacher's states in every student layer")
+    errors = []
+    for layer, s in student.items():
+        t = teacher[layer].to(s.device, torch.float32)
+        diff = (s.float() - t).pow(2).sum(-1)
+        errors.append((diff / t.pow(2).sum(-1).clamp_min(1e-6)).sum())
+    return torch.stack(errors).mean()
+
+
 def example_loss(
     student: torch.Tensor,
     targets: torch.Tensor,
@@ -134,12 +164,17 @@ def example_loss(
     temperature: float = 1.0,
     student_full: torch.Tensor | None = None,
     keep_full: float = 0.0,
+    student_states: dict[int, torch.Tensor] | None = None,
+    teacher_states: dict[int, torch.Tensor] | None = None,
+    match_hidden: float = 0.0,
 ) -> LossParts:
     """(1 - distill) * cross-entropy on the targets + distill * KL(teacher || student)
-    + keep_full * KL(teacher || student_full), summed over tokens.
+    + keep_full * KL(teacher || student_full) + match_hidden * `hidden_match`, summed over
+    tokens.
 
     student, teacher, student_full: logits [R, vocab] (student_full: the trained weights at
-    full depth, only with keep_full > 0); targets: [R] token ids.
+    full depth, only with keep_full > 0); targets: [R] token ids; student_states and
+    teacher_states: hidden states [R, H] by layer (only with match_hidden > 0).
     """
     targets = targets.to(student.device)
     ce = F.cross_entropy(student, targets, reduction="sum")
@@ -155,7 +190,16 @@ def example_loss(
         kl_full = distill_kl(student_full, teacher, temperature)
         loss = loss + keep_full * kl_full
         kl_full_value = float(kl_full.detach())
-    return LossParts(loss, float(ce.detach()), kl_value, int(targets.numel()), kl_full_value)
+    hidden_value = 0.0
+    if match_hidden > 0:
+        if student_states is None or teacher_states is None:
+            raise ValueError("match_hidden needs the student's and the teacher's hidden states")
+        hidden = hidden_match(student_states, teacher_states)
+        loss = loss + match_hidden * hidden
+        hidden_value = float(hidden.detach())
+    return LossParts(
+        loss, float(ce.detach()), kl_value, int(targets.numel()), kl_full_value, hidden_value
+    )
 
 
 class SpeedObjective(torch.nn.Module):
@@ -167,7 +211,9 @@ class SpeedObjective(torch.nn.Module):
     `keep_full > 0` the teacher is the untrained model (`weights.reference()`) at full depth,
     without gradients. `keep_full > 0` also runs the trained weights at full depth and pulls
     them toward the teacher, so that they serve full-depth requests as before while they
-    learn SPEED (the upper layers run a second time, over every position).
+    learn SPEED (the upper layers run a second time, over every position). `match_hidden > 0`
+    pulls SPEED's hidden states in the layers from the cutoff up toward the teacher's, at the
+    rows that predict the response (`hidden_match`).
     """
 
     def __init__(
@@ -177,13 +223,17 @@ class SpeedObjective(torch.nn.Module):
         distill: float = 0.0,
         temperature: float = 1.0,
         keep_full: float = 0.0,
+        match_hidden: float = 0.0,
     ):
+        if keep_full > 0 and match_hidden > 0:
+            raise ValueError("keep_full and match_hidden are not combined")
         super().__init__()
         self.weights = weights
         self.model = weights.model  # registered: what the optimizer and DDP see
         self.vis = vis
         self.distill = distill
         self.keep_full = keep_full
+        self.match_hidden = match_hidden
         self.temperature = temperature
         self.backbone = weights.backbone
         self.full = SpeedRule.full(self.backbone.shape.num_layers)
@@ -197,6 +247,7 @@ class SpeedObjective(torch.nn.Module):
             "ce_sum": sum(p.ce_sum for p in parts),
             "kl_sum": sum(p.kl_sum for p in parts),
             "kl_full_sum": sum(p.kl_full_sum for p in parts),
+            "hidden_sum": sum(p.hidden_sum for p in parts),
             "response_tokens": tokens,
             "sequence_tokens": sum(int(e.ids.numel()) for e in examples),
         }
@@ -205,17 +256,23 @@ class SpeedObjective(torch.nn.Module):
         ids, prompt_len = example.ids, example.prompt_len
         chat = (example.header_tokens, example.turn_tokens)
         student_full = None
+        states = teacher_states = None
+        if self.match_hidden > 0:
+            states, teacher_states = {}, {}
         if self.keep_full > 0:
             student, student_full = response_logits_with_full(
                 self.backbone, ids, prompt_len, self.vis, *chat
             )
         else:
-            student = response_logits(self.backbone, ids, prompt_len, self.vis, *chat)
+            student = response_logits(self.backbone, ids, prompt_len, self.vis, *chat, states)
         teacher = None
-        if self.distill > 0 or self.keep_full > 0:
+        if self.distill > 0 or self.keep_full > 0 or self.match_hidden > 0:
             with torch.no_grad(), self.weights.reference() as reference:
-                teacher = response_logits(reference, ids, prompt_len, self.full, *chat)
+                teacher = response_logits(
+                    reference, ids, prompt_len, self.full, *chat, teacher_states
+                )
         targets = example.ids[example.prompt_len :]
         return example_loss(
-            student, targets, teacher, self.distill, self.temperature, student_full, self.keep_full
-        )
+            student, targets, teacher, self.distill, self.temperature, student_full,
+            self.keep_full, states, teacher_states, self.match_hidden,
+        )  # fmt: skip

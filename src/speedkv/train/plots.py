@@ -21,10 +21,16 @@ def plot_history(history: list[dict], path: Path, title: str) -> None:
     fig, axes = plt.subplots(panels, 1, figsize=(7, 3.6 * panels), squeeze=False)
     ax = axes[0][0]
     steps = [h["step"] for h in rows]
-    parts = (("loss", "loss"), ("ce", "cross-entropy"), ("kl", "KL to full depth"))
+    parts = (
+        ("loss", "loss"),
+        ("ce", "cross-entropy"),
+        ("kl", "KL to full depth"),
+        ("kl_full", "full depth's KL to the untrained model"),
+        ("hidden", "upper layers' hidden-state error"),
+    )
     for index, (key, label) in enumerate(parts):
         values = [h.get(key) for h in rows]
-        if not rows or None in values or (key == "kl" and "kl" not in rows[0]):
+        if not rows or None in values:  # a term the run did not have
             continue
         # one logged point averages a few one-example steps of mixed task kinds: the raw line
         # is mostly which examples they were, the moving average is the trend

@@ -49,6 +49,7 @@ def training_record(loaded, spec: str, config, data: dict, trainable: int, comma
             "distill": config.distill,
             "distill_temperature": config.distill_temperature,
             "keep_full": config.keep_full,
+            "match_hidden": config.match_hidden,
             "bf16_autocast": config.bf16,
             "gradient_checkpointing": config.gradient_checkpointing,
         },

@@ -91,6 +91,7 @@ class TrainConfig:
     distill: float = 0.0
     distill_temperature: float = 1.0
     keep_full: float = 0.0  # weight of KL(untrained full || trained full), both at full depth
+    match_hidden: float = 0.0  # weight of the upper layers' hidden-state error (`hidden_match`)
     bf16: bool = True
     save_every: int = 50
     log_every: int = 5
@@ -118,6 +119,11 @@ class TrainConfig:
             (0 <= self.distill <= 1, f"distill must be in [0, 1], got {self.distill}"),
             (self.distill_temperature > 0, "distill-temperature must be positive"),
             (self.keep_full >= 0, f"keep-full must be >= 0, got {self.keep_full}"),
+            (self.match_hidden >= 0, f"match-hidden must be >= 0, got {self.match_hidden}"),
+            (
+                not (self.keep_full > 0 and self.match_hidden > 0),
+                "--keep-full and --match-hidden are not combined: choose one",
+            ),
             (self.save_every >= 1, f"save-every must be at least 1, got {self.save_every}"),
             (self.log_every >= 1, f"log-every must be at least 1, got {self.log_every}"),
             (self.probe_every >= 0, "probe-every must be >= 0 (0 turns probes off)"),
@@ -132,6 +138,11 @@ class TrainConfig:
                 "--keep-full pulls full depth toward the untrained model while SPEED is trained; "
                 "with --method full the trained rule is full depth itself (use --distill)"
             )
+        if self.match_hidden > 0 and parse_spec(self.method).name == "full":
+            raise UserError(
+                "--match-hidden pulls SPEED's upper layers toward the untrained model at full "
+                "depth; with --method full there are no SPEED layers to pull (use --distill)"
+            )
         if parse_mix(self.data) is not None and self.seq_len < MIN_SEQ_LEN:
             raise UserError(f"seq-len of the built-in mix must be at least {MIN_SEQ_LEN}")
         if parse_mix(self.data) is None and not Path(self.data).is_file():
@@ -144,7 +155,7 @@ class TrainConfig:
     @property
     def needs_teacher(self) -> bool:
         """Whether a loss term reads the untrained model's logits."""
-        return self.distill > 0 or self.keep_full > 0
+        return self.distill > 0 or self.keep_full > 0 or self.match_hidden > 0
 
     @property
     def examples_per_step(self) -> int:
@@ -270,7 +281,9 @@ def make_trainer_class():
         def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
             outputs = model(**inputs)
             sums = self._sums
-            for key in ("ce_sum", "kl_sum", "kl_full_sum", "response_tokens", "sequence_tokens"):
+            keys = ("ce_sum", "kl_sum", "kl_full_sum", "hidden_sum", "response_tokens",
+                    "sequence_tokens")  # fmt: skip
+            for key in keys:
                 sums[key] = sums.get(key, 0) + outputs[key]
             return (outputs["loss"], outputs) if return_outputs else outputs["loss"]
 
@@ -290,6 +303,8 @@ def make_trainer_class():
                     logs["kl"] = round(sums["kl_sum"] / sums["response_tokens"], 4)
                 if self.objective.keep_full > 0:
                     logs["kl_full"] = round(sums["kl_full_sum"] / sums["response_tokens"], 4)
+                if self.objective.match_hidden > 0:
+                    logs["hidden"] = round(sums["hidden_sum"] / sums["response_tokens"], 4)
                 elapsed = now - sums.get("since", self.session_start)
                 logs["tokens_per_s"] = round(sums["sequence_tokens"] / max(elapsed, 1e-9), 1)
                 self.total_tokens = getattr(self, "total_tokens", 0) + sums["sequence_tokens"]
@@ -386,8 +401,9 @@ def run_training(
     )
     weights = trained_weights(loaded, config)
     objective = SpeedObjective(
-        weights, vis, config.distill, config.distill_temperature, config.keep_full
-    )
+        weights, vis, config.distill, config.distill_temperature, config.keep_full,
+        config.match_hidden,
+    )  # fmt: skip
     trainable = trainable_parameters(objective)
 
     trainer_class = make_trainer_class()
