@@ -60,6 +60,27 @@ def test_refused_at_engine_start(directory, case):
     assert "\n" not in str(refused.value)  # one sentence, no validation report
 
 
+def test_a_platform_without_the_hybrid_manager_is_refused(directory, monkeypatch):
+    """vLLM turns its hybrid KV cache manager off after the config hook where the platform
+    lacks it; the hook refuses that platform before, from the same question."""
+    from vllm.platforms import current_platform
+
+    monkeypatch.setattr(current_platform, "support_hybrid_kv_cache", lambda: False)
+    with pytest.raises(Unsupported, match="which this platform does not offer") as refused:
+        build_config(directory)
+    assert "\n" not in str(refused.value)
+
+
+def test_chunked_local_attention_is_refused(directory):
+    """Llama 4's chunked local attention, which vLLM also answers by turning the hybrid manager
+    off after the hook, is refused in the hook: its chunks would be cut over compact rows."""
+    args = engine_args(SPEED, directory)
+    args["hf_overrides"] = {**args["hf_overrides"], "attention_chunk_size": 64}
+    with pytest.raises(Unsupported, match="chunked local attention") as refused:
+        EngineArgs(model=str(directory), dtype="float32", **args).create_engine_config()
+    assert "\n" not in str(refused.value)
+
+
 def test_model_runner_v2_is_refused_when_asked_for(directory, monkeypatch):
     monkeypatch.setenv(support.V2_RUNNER, "1")
     with pytest.raises(Unsupported, match="V1 model runner"):
@@ -160,6 +181,18 @@ def test_sliding_window_models_start_with_prefix_caching(tmp_path, family, optio
                         skip_tokenizer_init=True).create_engine_config()  # fmt: skip
     assert support.sliding_window(config) == 64
     assert config.cache_config.enable_prefix_caching is True
+
+
+def test_a_windowed_model_whose_pipeline_stages_choose_stock_blocks_is_refused(tmp_path):
+    """The windowed Mistral by hand under two pipeline stages: at lcut 3 of 4 the stages'
+    own upper blocks would cost more than stock ones, so SPEED would choose stock blocks, whose
+    first block (the anchor's) vLLM's window manager frees. Refused instead."""
+    model = tiny_config(tmp_path, "mistral", sliding_window=64)
+    with pytest.raises(Unsupported, match="own KV blocks only") as refused:
+        EngineArgs(model=str(model), hf_overrides=speed_overrides(), dtype="float32",
+                   skip_tokenizer_init=True,
+                   pipeline_parallel_size=2).create_engine_config()  # fmt: skip
+    assert "\n" not in str(refused.value)
 
 
 def test_a_window_of_unknown_size_is_refused_at_llm(tmp_path):

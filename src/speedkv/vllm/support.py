@@ -169,6 +169,17 @@ def _refusals(config: Any, compact_kv: bool) -> list[tuple[Callable[[], bool], s
             "disable_hybrid_kv_cache_manager, or set speedkv_compact_kv false in hf_overrides",
         ),
         (
+            # vLLM turns the hybrid manager off after this hook on such platforms
+            lambda: compact_kv and not _platform_has_hybrid_manager(),
+            "SPEED's compact upper-layer blocks need vLLM's hybrid KV cache manager, which this "
+            "platform does not offer: set speedkv_compact_kv false in hf_overrides",
+        ),
+        (
+            lambda: get("model_config", "attention_chunk_size") is not None,
+            "SPEED does not run chunked local attention (attention_chunk_size): its kernel "
+            "would cut chunks over the upper layers' compact rows, not over positions",
+        ),
+        (
             lambda: bool(get("scheduler_config", "async_scheduling")),
             "SPEED in vLLM does not run with asynchronous scheduling, which it has not been "
             "run and checked with: drop async_scheduling (or pass --no-async-scheduling)",
@@ -251,6 +262,12 @@ def _choose_blocks(config: Any, compact_kv: bool) -> bool:
 def _graph_mode(config: Any) -> str | None:
     mode = _field(config, "compilation_config", "cudagraph_mode")
     return None if mode is None else getattr(mode, "name", str(mode))
+
+
+def _platform_has_hybrid_manager() -> bool:
+    from vllm.platforms import current_platform
+
+    return bool(current_platform.support_hybrid_kv_cache())
 
 
 def _on_cpu() -> bool:
