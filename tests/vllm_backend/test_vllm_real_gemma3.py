@@ -1,9 +1,10 @@
 """The embedded Gemma 3 270M (15 local layers with a 512-token window, 3 global) through the
 vLLM plugin, where it is installed (`speedkv models --install gemma3-270m`; not part of `make
 test`'s downloads): on a 751-token prompt, past the window, SPEED at 13 of 18 layers gives
-speedkv's own engine's tokens (float32, greedy). Its upper groups are windowed (segmented)
-and global at once (speedkv.vllm.compact)."""
+speedkv's own engine's tokens (float32, greedy), and its KV bytes count the blocks vLLM
+holds. Its upper groups are windowed (segmented) and global at once (speedkv.vllm.compact)."""
 
+import math
 from pathlib import Path
 
 import pytest
@@ -37,5 +38,13 @@ def test_speed_through_vllm_equals_the_engine_past_the_window():
     assert done.layer_lengths[13:] == [1, 1, 1, 1, 2]  # local: the deep row; global: + BoS
     with VllmEngine.open(model_directory("gemma3-270m"), METHOD, dtype="float32") as vllm:
         record = vllm.generate([ids], sampling)[0]
+        size, per = vllm.block_size, vllm.kv_bytes_per_token_layer
     assert record["output_ids"] == done.output_ids
-    assert record["kv_bytes"] is None  # not modelled for windowed layers (offline.py)
+    assert record["layer_lengths"] == done.layer_lengths
+    # 18 KV cache groups of one layer (the upper global kind holds one): a block costs one
+    # layer slot. Each of the 11 lower local layers holds the blocks its 512-token window
+    # has not left, the 2 lower global ones every block, the 4 upper local ones the anchor's
+    # block and one for the deep rows, the upper global one a block for its 3 rows.
+    tokens = len(ids) + 1
+    lower = 11 * (math.ceil(tokens / size) - (tokens - 512) // size) + 2 * math.ceil(tokens / size)
+    assert record["kv_bytes"] == (lower + 4 * 2 + 1) * size * per

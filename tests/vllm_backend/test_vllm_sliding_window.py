@@ -16,6 +16,7 @@ import pytest
 import torch
 from transformers import Gemma3ForCausalLM, Gemma3TextConfig, MistralConfig, MistralForCausalLM
 
+from speedkv import Engine, Request, SamplingParams, make_policy
 from speedkv.errors import Unsupported
 from speedkv.hf.loading import wrap_model
 from speedkv.methods.speed import SpeedRule
@@ -129,6 +130,55 @@ def test_prefix_caching_reuses_prefixes_whose_upper_rows_are_the_anchors(checkpo
     served = serve(directory, METHOD, steps, new=NEW, skip_tokenizer_init=True)
     assert [s.hit for s in served] == [0, 0, 0, 2 * BLOCK]
     check(Replay(wrap_model(model), METHOD, new=NEW), served)
+
+
+@pytest.mark.parametrize("method", [METHOD, "full"])
+def test_kv_bytes_are_the_blocks_vllms_pool_holds(checkpoint, method):
+    """`speedkv generate/bench --backend vllm`'s KV bytes on a windowed model, against the
+    blocks vLLM's own managers hold at every decode step (16-token blocks, three prompts past
+    the window): the groups vLLM makes of each kind of layer (windowed or not, below the cut or
+    above it) are `SpeedSettings.group_layers`, and a windowed lower group has freed the blocks
+    behind its window. The rows each layer holds are speedkv's engine's."""
+    from vllm import SamplingParams as VllmSampling
+
+    from speedkv.vllm.offline import VllmEngine
+    from speedkv.vllm.settings import SpeedSettings
+
+    directory, model, _ = checkpoint
+    prompts = random_ids([60, 129, 300], seed=3)
+    sampling = VllmSampling(temperature=0.0, max_tokens=NEW, ignore_eos=True, detokenize=False)
+    model = wrap_model(model)
+    engine = Engine(model)
+    with VllmEngine.open(directory, method, dtype="float32", seed=0, enforce_eager=True,
+                         skip_tokenizer_init=True, block_size=32) as vllm:  # fmt: skip
+        core = vllm.llm.llm_engine.engine_core.engine_core
+        config = core.scheduler.kv_cache_config
+        layers, windows = vllm.shape.num_layers, vllm.shape.windows
+        groups = [sorted(int(n.split(".")[2]) for n in g.layer_names)
+                  for g in config.kv_cache_groups]  # fmt: skip
+        settings = vllm.speed or SpeedSettings(layers, 0, 0, compact_kv=False)
+        assert groups == settings.group_layers(layers, windows)
+        # what one block of the pool costs (every group's tensor spans the same blocks)
+        block = config.kv_cache_tensors[0].size // config.num_blocks
+        managers = core.scheduler.kv_cache_manager.coordinator.single_type_managers
+        decode_steps = 0
+        for i, ids in enumerate(prompts):
+            vllm.llm.llm_engine.add_request(str(i), {"prompt_token_ids": ids}, sampling)
+            while vllm.llm.llm_engine.has_unfinished_requests():
+                vllm.llm.llm_engine.step()
+                for request in core.scheduler.running:
+                    tokens = request.num_computed_tokens
+                    if tokens <= len(ids):
+                        continue  # a prefill step: the window manager frees after a whole step
+                    held = sum(not b.is_null for m in managers
+                               for b in m.req_to_blocks[request.request_id])  # fmt: skip
+                    assert vllm.block_bytes(tokens, len(ids)) == held * block
+                    decode_steps += 1
+            done = engine.generate([Request(ids, make_policy(method, model.shape),
+                                            SamplingParams(max_new_tokens=2))])[0]  # fmt: skip
+            assert vllm.layer_lengths(len(ids)) == done.layer_lengths
+        # every decode step but the last, after which the request is no longer running
+        assert decode_steps == len(prompts) * (NEW - 2)
 
 
 def test_stock_blocks_are_refused_on_a_windowed_model(tmp_path):

@@ -173,6 +173,15 @@ class SpeedRule:
         """`visibility` in the layers `>= lcut` (of one with this `window`)."""
         return self.visibility(self.lcut, q_pos, k_pos, window)
 
+    def rows_held(self, layer: int, prompt_len: int, window: int | None = None) -> int:
+        """Prompt rows `layer` (of this sliding `window`) holds for the first generated token,
+        with the option's deep suffix: the ones it computed that the token may see."""
+        keys = torch.arange(prompt_len)
+        held = self.visibility(layer, torch.tensor([prompt_len]), keys, window)[0]
+        if layer >= self.lcut:
+            held &= self.full_depth(keys, prompt_len, self.deep_tokens(None))
+        return int(held.sum())
+
 
 @register
 class Speed(Policy):

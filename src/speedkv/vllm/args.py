@@ -53,9 +53,9 @@ def model_shape(directory: str | Path) -> ModelShape:
 
 def mixed_layers(shape: ModelShape) -> bool:
     """Whether the model's layers are of more than one kind (Gemma 3's local and global
-    ones). vLLM then makes a KV cache group per kind on each side of the cut, sized by the
-    smallest kind, which `SpeedSettings.kv_groups` (two kinds: lower and upper) does not
-    model: no padding is predicted for it, and the default cut is the policy's own (75 %)."""
+    ones). vLLM then groups each kind on each side of the cut, sized by the smallest kind,
+    which on Gemma 3's small models is a single global layer, so no cut pads: the default cut
+    stays the policy's own (75 %), and the note below names any padding a cut makes."""
     return len(set(shape.windows)) > 1
 
 
@@ -99,11 +99,12 @@ def engine_args(method: str, directory: str | Path) -> dict[str, Any]:
         return {}
     require_supported()  # SPEED on a vLLM the plugin does not support: one sentence, here
     settings = SpeedSettings(rule.lcut, rule.anchors, int(rule.deep))
-    padded = 0 if mixed_layers(shape) else settings.padded_layers(shape.num_layers)
+    padded = settings.padded_layers(shape.num_layers, windows=shape.windows)
     if padded:
         log(
             f"note: vLLM pads lcut={rule.lcut} of {shape.num_layers} layers with {padded} empty "
-            f"layer slots per KV block; lcut={padding_free_lcut(shape.num_layers)} pads none "
+            f"layer slots per KV block; lcut={padding_free_lcut(shape.num_layers, shape.windows)} "
+            "pads none "
             "(docs/vllm.md)"
         )
     args: dict[str, Any] = {

@@ -145,11 +145,6 @@ def compact_length(
     return Layout.of(prompt_lens, anchors, deep).length(seq_lens)
 
 
-def full_depth_count(seq_len: int, prompt_len: int, anchors: int, deep: int) -> int:
-    """`compact_length` of one request."""
-    return RequestLayout.of(prompt_len, anchors, deep).rows(seq_len)
-
-
 def step_positions(query_start: torch.Tensor, seq_lens: torch.Tensor) -> torch.Tensor:
     """Each row's position, from the CPU-side facts of a step: request i's rows are its
     positions `seq_lens[i] - query_len` up to `seq_lens[i] - 1`, in order. vLLM's V1 runner

@@ -14,8 +14,9 @@ from typing import Any
 
 from speedkv.core.sampling import SamplingParams
 from speedkv.hf.backbone import ModelShape
+from speedkv.methods.speed import SpeedRule
 from speedkv.vllm.args import engine_args, model_shape, require_vllm
-from speedkv.vllm.compact import full_depth_count
+from speedkv.vllm.compact import RequestLayout, anchor_slots
 from speedkv.vllm.settings import SpeedSettings
 from speedkv.vllm.timing import request_times
 
@@ -180,36 +181,38 @@ class VllmEngine:
             "reused_tokens": int(getattr(output, "num_cached_tokens", 0) or 0),
         }
 
-    def layer_lengths(self, prompt: int) -> list[int] | None:
-        """K/V rows each layer holds when the first new token is produced; None on a
-        sliding-window model (`block_bytes`)."""
-        if self.shape.windowed:
-            return None
+    def layer_lengths(self, prompt: int) -> list[int]:
+        """K/V rows each layer holds for the next token when the first new token is produced:
+        the rows the rule gives it (`SpeedRule.rows_held`), a windowed layer's inside its
+        window, as speedkv's own engine reports them."""
         layers = self.shape.num_layers
-        if self.speed is None:
-            return [prompt] * layers
-        upper = full_depth_count(prompt, prompt, self.speed.anchors, self.speed.deep)
-        return [prompt] * self.speed.lcut + [upper] * (layers - self.speed.lcut)
+        speed, window = self.speed, self.shape.largest_window
+        rule = SpeedRule(speed.lcut, speed.anchors, speed.deep, window=window) if speed else None
+        rule = rule or SpeedRule.full(layers)
+        return [rule.rows_held(layer, prompt, self.shape.window(layer)) for layer in range(layers)]
 
-    def block_bytes(self, tokens: int, prompt: int) -> int | None:
+    def block_bytes(self, tokens: int, prompt: int) -> int:
         """Bytes of the KV blocks vLLM's pool holds for a request of `tokens` tokens, over
-        every pipeline stage: the lower layers' groups a block per `block_size` tokens, the
-        upper layers' groups (SPEED) one per `block_size` full-depth rows, and a block costs
-        each stage as many layer slots as its largest group there (padding included).
-        Tensor-parallel ranks each hold their share of the heads; the sum is the same.
-
-        None on a sliding-window model: vLLM frees a windowed layer's blocks as its window
-        passes, lays Gemma 3's local and global layers out in more kinds of group, and gives
-        windowed groups their own block size, none of which this count models. speedkv's own
-        engine reports such a model's K/V exactly."""
-        if self.shape.windowed:
-            return None
-        layers = self.shape.num_layers
+        every pipeline stage. Each KV cache group (`SpeedSettings.group_layers`) holds a block
+        per `block_size` tokens, less the blocks a windowed group has freed behind its window;
+        an upper group with SPEED's own blocks holds one per `block_size` full-depth rows
+        (`RequestLayout.rows`, a windowed one's anchors padded to a block). A block costs each
+        stage as many layer slots as its largest group there (padding included).
+        Tensor-parallel ranks each hold their share of the heads; the sum is the same."""
+        layers, windows, size = self.shape.num_layers, self.shape.windows, self.block_size
         speed = self.speed or SpeedSettings(layers, 0, 0, compact_kv=False)
-        _, lower, upper = speed.kv_groups(layers)
-        blocks = lower * math.ceil(tokens / self.block_size)
-        if upper:
-            rows = full_depth_count(tokens, prompt, speed.anchors, speed.deep)
-            blocks += upper * math.ceil(rows / self.block_size)
-        slots = sum(speed.stage_slots(layers, self.stages))
-        return blocks * self.block_size * slots * self.kv_bytes_per_token_layer
+        layout = RequestLayout.of(prompt, speed.anchors, speed.deep,
+                                  window=self.shape.largest_window)  # fmt: skip
+        kinds = speed.kv_kinds(layers, windows)
+        blocks = 0
+        for group in speed.group_layers(layers, windows):
+            upper_own, windowed = kinds[group[0]]
+            if upper_own:
+                slots = anchor_slots(speed.anchors, size) if windowed else 0
+                blocks += math.ceil(layout.rows(tokens, slots) / size)
+            else:
+                # vLLM's window manager frees the blocks wholly behind the window
+                behind = max(tokens - windows[group[0]], 0) // size if windowed else 0
+                blocks += math.ceil(tokens / size) - behind
+        slots = sum(speed.stage_slots(layers, self.stages, windows))
+        return blocks * size * slots * self.kv_bytes_per_token_layer

@@ -6,6 +6,7 @@ the workers, so every process reads the same rule.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 from types import SimpleNamespace
 from typing import Any
@@ -38,35 +39,44 @@ class SpeedSettings:
             "speedkv_compact_kv": self.compact_kv,
         }
 
+    def kv_kinds(self, layers: int, windows: Sequence[int | None] = ()) -> list[tuple[bool, bool]]:
+        """Each layer's KV kind as vLLM tells them apart: (an upper layer with its own blocks,
+        windowed). `windows`: each layer's sliding window (`ModelShape.windows`), or ()."""
+        upper_own = self.compact_kv and 0 < self.lcut < layers
+        return [
+            (upper_own and layer >= self.lcut, bool(windows) and windows[layer] is not None)
+            for layer in range(layers)
+        ]
+
     def kv_groups(self, layers: int) -> tuple[int, int, int]:
-        """(layers per group, lower groups, upper groups): how vLLM 0.32 splits the layers into
-        KV cache groups of one shared block pool when the upper layers have their own spec.
-        Groups hold equal layer counts, the smaller type's count (or the larger one's when the
-        two are within 1.5x), and the last group of a type is padded; padding costs memory."""
-        lower, upper = self.lcut, layers - self.lcut
-        if not (self.compact_kv and lower and upper):
-            return layers, 1, 0  # one group: the stock layout
-        size = min(lower, upper)
-        if max(lower, upper) < 1.5 * size:
-            size = max(lower, upper)
-        return size, -(-lower // size), -(-upper // size)
+        """(layers per group, lower groups, upper groups) on a model without a window
+        (`group_layers`)."""
+        groups = self.group_layers(layers)
+        upper = sum(group[0] >= self.lcut for group in groups) if len(groups) > 1 else 0
+        return len(groups[0]), len(groups) - upper, upper
 
-    def group_layers(self, layers: int) -> list[list[int]]:
-        """The layers of each KV cache group, lower groups first, as vLLM 0.32 makes them: a
-        kind's layers are dealt round-robin (group i holds layers i, i + n, ...), so every
-        pipeline stage gets a share of every group."""
-        _, lower_groups, upper_groups = self.kv_groups(layers)
-        if not upper_groups:
-            return [list(range(layers))]
-        lower, upper = list(range(self.lcut)), list(range(self.lcut, layers))
-        kinds = [(lower, lower_groups), (upper, upper_groups)]
-        return [kind[i::n] for kind, n in kinds for i in range(n)]
+    def group_layers(self, layers: int, windows: Sequence[int | None] = ()) -> list[list[int]]:
+        """The layers of each KV cache group of one shared block pool, as vLLM 0.32 makes them
+        (`_get_kv_cache_groups_uniform_page_size`). Layers of one kind (`kv_kinds`) go to
+        groups of equal size: the smallest kind's layer count, or the largest's when all are
+        within 1.5x of it; a kind's last group is padded, and padding costs memory. A kind's
+        layers are dealt round-robin (group i holds layers i, i + n, ...), so every pipeline
+        stage gets a share of every group."""
+        kinds: dict[tuple[bool, bool], list[int]] = {}
+        for layer, kind in enumerate(self.kv_kinds(layers, windows)):
+            kinds.setdefault(kind, []).append(layer)
+        counts = [len(kind) for kind in kinds.values()]
+        size = max(counts) if max(counts) < 1.5 * min(counts) else min(counts)
+        return [
+            kind[i::n] for kind in kinds.values() for n in [-(-len(kind) // size)] for i in range(n)
+        ]
 
-    def stage_slots(self, layers: int, stages: list[tuple[int, int]]) -> list[int]:
+    def stage_slots(self, layers: int, stages: list[tuple[int, int]],
+                    windows: Sequence[int | None] = ()) -> list[int]:  # fmt: skip
         """Layer slots one block of the shared pool costs on each pipeline stage (the layers
         `[start, end)` of each): vLLM sizes a stage's block by its largest group there, and
         every group's blocks come from that one pool."""
-        groups = self.group_layers(layers)
+        groups = self.group_layers(layers, windows)
         return [max(sum(start <= i < end for i in g) for g in groups) for start, end in stages]
 
     def compact_pays(self, layers: int, stages: list[tuple[int, int]]) -> bool:
@@ -79,10 +89,12 @@ class SpeedSettings:
         _, lower_groups, _ = self.kv_groups(layers)
         return lower_groups * sum(self.stage_slots(layers, stages)) < layers
 
-    def padded_layers(self, layers: int, stages: list[tuple[int, int]] | None = None) -> int:
+    def padded_layers(self, layers: int, stages: list[tuple[int, int]] | None = None,
+                      windows: Sequence[int | None] = ()) -> int:  # fmt: skip
         """Layer slots vLLM's grouping pads (memory reserved for no layer), over all stages."""
         stages = stages or [(0, layers)]
-        return sum(self.stage_slots(layers, stages)) * len(self.group_layers(layers)) - layers
+        groups = len(self.group_layers(layers, windows))
+        return sum(self.stage_slots(layers, stages, windows)) * groups - layers
 
     @classmethod
     def from_overrides(cls, overrides: dict[str, Any] | None) -> SpeedSettings | None:
@@ -119,8 +131,12 @@ def rank_split(lcut: int, start: int, end: int) -> tuple[range, range]:
     return range(start, split), range(split, end)
 
 
-def padding_free_lcut(layers: int, target: float = 0.75) -> int:
+def padding_free_lcut(layers: int, windows: Sequence[int | None] = (),
+                      target: float = 0.75) -> int:  # fmt: skip
     """The cutoff nearest `target * layers` whose KV cache groups need no padding in vLLM
     (the deeper one on a tie): the vLLM backend's default lcut."""
-    free = [c for c in range(1, layers) if SpeedSettings(c, 1, 1).padded_layers(layers) == 0]
+    free = [
+        c for c in range(1, layers)
+        if SpeedSettings(c, 1, 1).padded_layers(layers, windows=windows) == 0
+    ]  # fmt: skip
     return min(free, key=lambda c: (abs(c - target * layers), -c))
