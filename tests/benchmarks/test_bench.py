@@ -104,11 +104,6 @@ def test_bounds_arithmetic():
     assert full["tpot_x_bound"] == pytest.approx(2.0) and hf["tpot_x_bound"] == pytest.approx(4.0)
     assert full["ttft_bound_s"] == hf["ttft_bound_s"] == pytest.approx(4.0)
     assert hf["ttft_x_bound"] == pytest.approx(2.5)
-    # a backend that cannot count the K/V (vLLM on a sliding-window model): no decode bound
-    unknown = [dict(full, kv_bytes=None, kv_bytes_final=None)]
-    add_bounds(unknown, limits, weight_bytes=9_999_800)
-    assert unknown[0]["tpot_bound_s"] is None and unknown[0]["tpot_x_bound"] is None
-    assert unknown[0]["kv_read_share"] is None and unknown[0]["ttft_x_bound"] == pytest.approx(2.0)
 
 
 def test_resume_measures_only_missing_runs(smollm2, tmp_path, capsys):

@@ -363,15 +363,10 @@ def add_bounds(cells: list[dict], limits: MachineLimits, weight_bytes: int) -> N
     does the same work as `full`, so it gets full's prefill FLOPs."""
     full_flops = {c["length"]: c["flops_prefill"] for c in cells if c["method"] == "full"}
     for c in cells:
-        if c["kv_bytes"] is None or c["kv_bytes_final"] is None:
-            # a backend that cannot count the K/V (vLLM on a sliding-window model) has no
-            # decode bound: what a step reads is unknown
-            c["tpot_bound_s"] = c["kv_read_share"] = None
-        else:
-            kv_read = (c["kv_bytes"] + c["kv_bytes_final"]) / 2
-            c["tpot_bound_s"] = limits.decode_bound_s(weight_bytes, kv_read)
-            # the part of that bound spent reading K/V: what a method that reads less can save
-            c["kv_read_share"] = limits.decode_bound_s(0, kv_read) / c["tpot_bound_s"]
+        kv_read = (c["kv_bytes"] + c["kv_bytes_final"]) / 2
+        c["tpot_bound_s"] = limits.decode_bound_s(weight_bytes, kv_read)
+        # the part of that bound spent reading K/V: what a method that reads less can save
+        c["kv_read_share"] = limits.decode_bound_s(0, kv_read) / c["tpot_bound_s"]
         flops = c["flops_prefill"]
         if flops is None:
             flops = full_flops.get(c["length"])
