@@ -135,7 +135,7 @@ def test_prefix_caching_reuses_prefixes_whose_upper_rows_are_the_anchors(checkpo
 @pytest.mark.parametrize("method", [METHOD, "full"])
 def test_kv_bytes_are_the_blocks_vllms_pool_holds(checkpoint, method):
     """`speedkv generate/bench --backend vllm`'s KV bytes on a windowed model, against the
-    blocks vLLM's own managers hold at every decode step (16-token blocks, three prompts past
+    blocks vLLM's own managers hold at every decode step (32-token blocks, three prompts past
     the window): the groups vLLM makes of each kind of layer (windowed or not, below the cut or
     above it) are `SpeedSettings.group_layers`, and a windowed lower group has freed the blocks
     behind its window. The rows each layer holds are speedkv's engine's."""

@@ -104,8 +104,7 @@ def engine_args(method: str, directory: str | Path) -> dict[str, Any]:
         log(
             f"note: vLLM pads lcut={rule.lcut} of {shape.num_layers} layers with {padded} empty "
             f"layer slots per KV block; lcut={padding_free_lcut(shape.num_layers, shape.windows)} "
-            "pads none "
-            "(docs/vllm.md)"
+            "pads none (docs/vllm.md)"
         )
     args: dict[str, Any] = {
         "hf_overrides": settings.hf_overrides(shape.model_type),

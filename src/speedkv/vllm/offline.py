@@ -185,10 +185,11 @@ class VllmEngine:
         """K/V rows each layer holds for the next token when the first new token is produced:
         the rows the rule gives it (`SpeedRule.rows_held`), a windowed layer's inside its
         window, as speedkv's own engine reports them."""
-        layers = self.shape.num_layers
-        speed, window = self.speed, self.shape.largest_window
-        rule = SpeedRule(speed.lcut, speed.anchors, speed.deep, window=window) if speed else None
-        rule = rule or SpeedRule.full(layers)
+        layers, speed, window = self.shape.num_layers, self.speed, self.shape.largest_window
+        if speed is None:
+            rule = SpeedRule.full(layers)
+        else:
+            rule = SpeedRule(speed.lcut, speed.anchors, speed.deep, window=window)
         return [rule.rows_held(layer, prompt, self.shape.window(layer)) for layer in range(layers)]
 
     def block_bytes(self, tokens: int, prompt: int) -> int:
