@@ -8,6 +8,7 @@ import torch
 
 from speedkv.analysis.dense import speed_dense_forward
 from speedkv.core.engine import Request
+from speedkv.core.prefill import Chunks
 from speedkv.core.registry import make_policy
 from speedkv.core.sampling import SamplingParams
 
@@ -129,3 +130,31 @@ def test_strided_speed_equals_dense_reference(tiny, tiny_engine, lcut, anchors, 
     lengths = tiny_engine.prefill(ids, policy.spec()).cache.lengths()
     upper = anchors + strided + deep
     assert lengths == [len(ids)] * lcut + [upper] * (tiny.shape.num_layers - lcut)
+
+
+MASKED = [
+    "speed:lcut=3,anchors=bos,deep=3,selfonly=true",  # upper layers attend by a visibility rule
+    "speed:lcut=2,anchors=sink:4,stride=3,selfonly=true",
+    "pop:lcut=3",  # upper K/V projected from the rows that left, chunk by chunk
+]
+
+
+@pytest.mark.parametrize("spec", MASKED)
+def test_masked_attention_chunks_do_not_change_results(tiny, spec):
+    """Layers that attend through a mask go `Chunks.masked` queries at a time, apart from the
+    rows' chunks: any split gives the one-call result."""
+    from speedkv.core.engine import Engine
+
+    ids = random_prompt(70)
+    policy = make_policy(spec, tiny.shape)
+    whole = greedy_with_logits(Engine(tiny, chunk_size=4096), ids, policy, 4)[1]
+    for rows, masked in [(64, 7), (8, 64), (5, 5)]:
+        engine = Engine(tiny, chunk_size=4096)
+        engine.chunks = Chunks(rows, masked)
+        split = greedy_with_logits(engine, ids, make_policy(spec, tiny.shape), 4)[1]
+        assert torch.allclose(whole, split, atol=1e-5), (rows, masked)
+
+
+def test_chunk_sizes_must_be_positive():
+    with pytest.raises(ValueError, match="positive"):
+        Chunks(0, 1024)

@@ -21,7 +21,7 @@ from speedkv.core.cache import KVCache, LayerKV
 from speedkv.core.flops import decode_flops, prefill_flops
 from speedkv.core.graph_decode import GraphDecode, why_not
 from speedkv.core.policy import Policy, PromptInfo, decode_plan, own_cache_only
-from speedkv.core.prefill import Prefill, PrefillRun
+from speedkv.core.prefill import Chunks, Prefill, PrefillRun
 from speedkv.core.prefix import CachedPrefix, PrefixCache, common_prefix
 from speedkv.core.registry import MethodSpec, make_policy, method_class, method_names
 from speedkv.core.sampling import Sampler, SamplingParams
@@ -37,8 +37,14 @@ from speedkv.log import log
 # blocks them better): SmolLM2 in bfloat16 prefilled 2048 and 8128 tokens in 0.88-1.03x the
 # time (three of four cells under 0.93x) with chunks of 2048 as with 1024, turn about in one
 # process, on an Intel Xeon with AMX (speedkv measure prefill-chunks).
-# Elsewhere a chunk's attention mask grows with it, so the smaller chunk stays.
-CPU_CHUNK, CHUNK = 2048, 1024
+# On a GPU, chunks of 8192 rows took 2-6 % off Llama-3.1-8B's TTFT on an H200 against 1024
+# (docs/gpu.md, the `+chunk8192` rows).
+CPU_CHUNK, CHUNK = 2048, 8192
+# Queries per call where a layer attends through an explicit mask (a visibility rule, a
+# window, entries out of order). The mask holds queries x keys entries, so on a GPU its
+# chunk stays small while the row chunk grows: at 128K keys, 1024 queries make a 128 Mi-entry
+# mask, 8192 would make a 1 Gi-entry one.
+CPU_MASK_CHUNK, MASK_CHUNK = CPU_CHUNK, 1024
 # When decode steps run as a recorded CUDA graph (core/graph_decode.py): "auto" on a GPU,
 # "always" on any device (elsewhere the same fixed-shape step runs eagerly, for checks),
 # "never". SPEEDKV_RECORDED_DECODE sets the default.
@@ -198,7 +204,11 @@ class Engine:
         # speculator made of the model itself)
         self.depth = depth or model.shape.num_layers
         self.tokenizer = model.tokenizer
-        self.chunk_size = chunk_size or (CPU_CHUNK if self.device.type == "cpu" else CHUNK)
+        on_cpu = self.device.type == "cpu"
+        self.chunk_size = chunk_size or (CPU_CHUNK if on_cpu else CHUNK)
+        # a chunk size given by the caller bounds the masked calls too, never beyond it
+        masked = min(self.chunk_size, CPU_MASK_CHUNK if on_cpu else MASK_CHUNK)
+        self.chunks = Chunks(self.chunk_size, masked)
         self.eos_ids = model.eos_token_ids()
         self._companions: dict[str, Engine] = {}
         if self.device.type == "cpu":  # built now if need be, not in the first request's decode
@@ -268,7 +278,7 @@ class Engine:
             positions = torch.arange(start, start + ids.numel(), device=self.device)
             prompt = PromptInfo(ids, header_tokens, positions, start + ids.numel(), turn_tokens)
             policy.begin(prompt)
-            run = PrefillRun(self.backbone, policy, self.depth, self.chunk_size, spare, base, start)
+            run = PrefillRun(self.backbone, policy, self.depth, self.chunks, spare, base, start)
             return run.run(prompt, prompt.end)
         prompt = PromptInfo(ids, header_tokens, turn_tokens=turn_tokens)
         next_position = prompt.n
@@ -283,7 +293,7 @@ class Engine:
             )
             next_position = selection.next_position
         policy.begin(prompt)
-        run = PrefillRun(self.backbone, policy, self.depth, self.chunk_size, spare)
+        run = PrefillRun(self.backbone, policy, self.depth, self.chunks, spare)
         return run.run(prompt, next_position)
 
     @torch.inference_mode()

@@ -5,9 +5,10 @@ drop rows (`computed`): SPEED drops its shallow tokens at `lcut`, FastKV keeps i
 tokens after the TSP layer. Dropped rows are never computed again; a policy may still give
 them K/V in later layers, projected from the residual they left with (POP, SwiftKV).
 
-Within a layer the computed rows go through in chunks of `chunk_size` queries, each chunk's
+Within a layer the computed rows go through in chunks of `Chunks.rows` rows, each chunk's
 K/V written straight into the layer's cache buffer before it attends, so activation memory
-does not grow with the prompt and attention never materialises an N x N matrix. After the
+does not grow with the prompt. Attention never materialises an N x N matrix: a layer that
+needs an explicit mask attends `Chunks.masked` queries at a time. After the
 layer, the policy may look at its queries and keys (`observe`) and choose what the cache
 keeps (`kept`). A layer with a sliding window attends only inside it, by absolute position,
 in every layer and under every method (`ModelShape.window`).
@@ -38,6 +39,18 @@ class Prefill:
     pairs: list[int]  # query-key pairs attended in each layer
 
 
+@dataclass(frozen=True)
+class Chunks:
+    """How many rows a prefill handles per call."""
+
+    rows: int  # projections and MLP
+    masked: int  # attention through an explicit mask, which holds masked x keys entries
+
+    def __post_init__(self):
+        if self.rows < 1 or self.masked < 1:
+            raise ValueError(f"chunk sizes must be positive, got {self}")
+
+
 @dataclass
 class _Exit:
     layer: int  # the first layer these rows were not computed in
@@ -64,13 +77,13 @@ class PrefillRun:
         backbone: Backbone,
         policy: Policy,
         depth: int,
-        chunk_size: int,
+        chunks: Chunks,
         spare: int,
         base: KVCache | None = None,
         start: int = 0,
     ):
         self.bb, self.policy, self.depth = backbone, policy, depth
-        self.chunk, self.spare = chunk_size, spare
+        self.chunks, self.spare = chunks, spare
         # extending a cached prefix: every layer starts from a copy of `base`'s entries at
         # positions < start, and the new rows attend to them
         self.base, self.start = base, start
@@ -198,7 +211,7 @@ class PrefillRun:
         if aligned and not has_rule and not bites:
             return prefill_attention(q, kv.keys(), kv.values()), rows * (rows + 1) // 2
         out, attended = torch.empty_like(q), torch.zeros((), dtype=torch.long, device=q.device)
-        for start, end in self._chunks(rows):
+        for start, end in self._chunks(rows, self.chunks.masked):
             lo, hi = 0, kv.length
             if bites and kv.in_order():  # only the slots some query of the chunk can see
                 lo = kv.window_start(int(pos[start]) - window + 1)
@@ -220,9 +233,10 @@ class PrefillRun:
             self._rope_of = (pos, *self.bb.rope(pos, bound=self.bound))
         return self._rope_of[1], self._rope_of[2]
 
-    def _chunks(self, rows: int):
-        for start in range(0, rows, self.chunk):
-            yield start, min(start + self.chunk, rows)
+    def _chunks(self, rows: int, size: int | None = None):
+        size = size or self.chunks.rows
+        for start in range(0, rows, size):
+            yield start, min(start + size, rows)
 
     def _exited_kv(self, layer: int):
         """K/V of rows that left the stream, if the policy gives them any in this layer."""
@@ -230,8 +244,7 @@ class PrefillRun:
         if norm is None:
             return
         for gone in self.exits:
-            for start in range(0, gone.pos.numel(), self.chunk):
-                end = min(start + self.chunk, gone.pos.numel())
+            for start, end in self._chunks(gone.pos.numel()):
                 cos, sin = self.bb.rope(gone.pos[start:end], bound=self.bound)
                 x = self.bb.input_norm(norm, gone.h[start:end])
                 k, v = self.bb.kv(layer, x, cos, sin)
