@@ -146,6 +146,11 @@ STEPS = [
             speed(22, "bos", 1),
             ((300, "smol-design-r7"),),
         ),
+        (
+            "run 10 (run 2 with a 600-step schedule), against untrained full",
+            speed(22, "bos", 1),
+            ((600, "smol-design-r10"),),
+        ),
     )
     for steps, run in runs
     for run, full in [(f"smollm2-design-seed1/{run}", "smollm2-design-seed1/smol-design-base")]
