@@ -205,10 +205,9 @@ class Engine:
         self.depth = depth or model.shape.num_layers
         self.tokenizer = model.tokenizer
         on_cpu = self.device.type == "cpu"
-        self.chunk_size = chunk_size or (CPU_CHUNK if on_cpu else CHUNK)
+        rows = chunk_size or (CPU_CHUNK if on_cpu else CHUNK)
         # a chunk size given by the caller bounds the masked calls too, never beyond it
-        masked = min(self.chunk_size, CPU_MASK_CHUNK if on_cpu else MASK_CHUNK)
-        self.chunks = Chunks(self.chunk_size, masked)
+        self.chunks = Chunks(rows, min(rows, CPU_MASK_CHUNK if on_cpu else MASK_CHUNK))
         self.eos_ids = model.eos_token_ids()
         self._companions: dict[str, Engine] = {}
         if self.device.type == "cpu":  # built now if need be, not in the first request's decode
@@ -237,7 +236,7 @@ class Engine:
         an early-exit probe or speculator that shares every weight."""
         return Engine(
             self.model,
-            self.chunk_size,
+            self.chunks.rows,
             depth,
             recorded_decode=self.recorded_decode,
             recorded_attention=self.recorded_attention,
@@ -251,7 +250,7 @@ class Engine:
             model = loading.load_model(
                 name_or_path, dtype=self.backbone.dtype, device=self.device, progress=False
             )
-            self._companions[name_or_path] = Engine(model, self.chunk_size)
+            self._companions[name_or_path] = Engine(model, self.chunks.rows)
         return self._companions[name_or_path]
 
     # -- the two phases ----------------------------------------------------------------------
