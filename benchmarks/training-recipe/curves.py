@@ -1,12 +1,13 @@
-"""SPEED's RULER gap to full attention, as curves: against depth, against model size and against
-training steps. It reads the per-sample records kept in this folder (nothing is run) and pairs
-SPEED with full on the samples both answered, with the leaderboard's margins
-(`speedkv measure paired-gaps` prints the same figures for one pair of runs).
+"""SPEED's RULER gap to full attention, as curves: against depth, against model size, against
+training steps and against the distillation weight. It reads the per-sample records kept in
+this folder (nothing is run) and pairs SPEED with full on the samples both answered, with the
+leaderboard's margins (`speedkv measure paired-gaps` prints the same figures for one pair of
+runs).
 
     .venv/bin/python benchmarks/training-recipe/curves.py \
         --plot benchmarks/training-recipe/curves.png
 
-It prints one markdown table of every point and draws three panels. A point whose records are
+It prints one markdown table of every point and draws four panels. A point whose records are
 not here yet (a run still going) is left out with a note on stderr.
 """
 
@@ -34,7 +35,7 @@ class Point:
     """One gap: SPEED's row in `run` less full's row in `full_run` (the same run when None),
     on the samples both answered."""
 
-    panel: str  # depth, size or steps
+    panel: str  # depth, size, steps or distill
     series: str  # one line of the panel
     x: float
     run: str  # folder under this one holding records.jsonl
@@ -155,10 +156,21 @@ STEPS = [
     for steps, run in runs
     for run, full in [(f"smollm2-design-seed1/{run}", "smollm2-design-seed1/smol-design-base")]
 ]
+# SmolLM2-135M, design seed 1 (5 a task), run 2's recipe at three weights of the KL term
+# (runs 11 and 12 trained with bf16 autocast on an AVX512-BF16 CPU, run 2 in float32 on Zen 3)
+DISTILL = [
+    Point("distill", series, weight, f"smollm2-design-seed1/{run}", speed(22, "bos", 1), full)
+    for weight, run in ((0.0, "smol-design-r12"), (0.5, "smol-design-r2"), (1.0, "smol-design-r11"))
+    for series, full in (
+        ("against untrained full", "smollm2-design-seed1/smol-design-base"),
+        ("against its own full", None),
+    )
+]
 PANELS = {
     "depth": ("layers below the cut (lcut / layers)", "SPEED - full, RULER points"),
     "size": ("parameters (billions)", "SPEED - full, RULER points"),
     "steps": ("training steps (SmolLM2-135M, design seed 1)", "SPEED - untrained full"),
+    "distill": ("--distill weight (SmolLM2-135M, 300 steps, design seed 1)", "SPEED - full"),
 }
 
 
@@ -190,8 +202,8 @@ def plot(rows: list[tuple[Point, float, float]], path: Path) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, axes = plt.subplots(1, len(PANELS), figsize=(5 * len(PANELS), 4.2))
-    for ax, (panel, (xlabel, ylabel)) in zip(axes, PANELS.items(), strict=True):
+    fig, axes = plt.subplots(2, 2, figsize=(11, 8.4))
+    for ax, (panel, (xlabel, ylabel)) in zip(axes.flat, PANELS.items(), strict=True):
         mine = [r for r in rows if r[0].panel == panel]
         for series in dict.fromkeys(p.series for p, _, _ in mine):
             points = sorted((p.x, g, m) for p, g, m in mine if p.series == series)
@@ -214,9 +226,9 @@ def plot(rows: list[tuple[Point, float, float]], path: Path) -> None:
 
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--plot", type=Path, help="write the three panels to this PNG")
+    parser.add_argument("--plot", type=Path, help="write the panels to this PNG")
     args = parser.parse_args(argv)
-    rows = measured(QWEN05_DEPTH + SIZES + STEPS)
+    rows = measured(QWEN05_DEPTH + SIZES + STEPS + DISTILL)
     print(table(rows))
     if args.plot:
         plot(rows, args.plot)
