@@ -391,14 +391,25 @@ SPEED22_ADAPTER := adapters/smollm2-135m-speed22-bos
 
 # The design-time pick on text no evaluation uses (Python's documentation; 300 steps,
 # benchmarks/training-recipe/): SmolLM2-135M for speed:lcut=22,anchors=bos,deep=1.
+PYDOCS_RECIPE := --text pydocs --steps 300 --seq-len 2048 --lr 5e-4 --distill 0.5 --seed 0 --resume
 PYDOCS_ADAPTER := adapters/smollm2-135m-speed22-bos-pydocs
 adapter-pydocs: install
 	$(VENV)/bin/speedkv train --method "speed:lcut=22,anchors=bos,deep=1" --model smollm2-135m \
-		--text pydocs --out runs/train/speed22-bos-pydocs --steps 300 --seq-len 2048 --lr 5e-4 \
-		--distill 0.5 --seed 0 --save-every 50 --resume
+		--out runs/train/speed22-bos-pydocs $(PYDOCS_RECIPE) --save-every 50
 	mkdir -p $(PYDOCS_ADAPTER)
 	cd runs/train/speed22-bos-pydocs && cp adapter_config.json adapter_model.safetensors \
 		training.json loss.png $(CURDIR)/$(PYDOCS_ADAPTER)/
+
+# The same recipe on Qwen2.5-Coder-0.5B at 18 of 24 layers (not shipped: about 90 min on a CPU
+# with bfloat16 products, about 4 h in float32 on an AVX2-only one; docs/ruler.md's Qwen rows).
+QWEN_PYDOCS_ADAPTER := adapters/qwen2.5-coder-0.5b-speed18-sink4-pydocs
+.PHONY: adapter-qwen-pydocs
+adapter-qwen-pydocs: qwen
+	$(VENV)/bin/speedkv train --method "speed:lcut=18,anchors=sink:4,deep=1" --model $(QWEN) \
+		--out runs/train/qwen-speed18-sink4-pydocs $(PYDOCS_RECIPE) --save-every 25
+	mkdir -p $(QWEN_PYDOCS_ADAPTER)
+	cd runs/train/qwen-speed18-sink4-pydocs && cp adapter_config.json adapter_model.safetensors \
+		training.json loss.png $(CURDIR)/$(QWEN_PYDOCS_ADAPTER)/
 
 # The shipped adapter: SmolLM2-135M for speed:lcut=22,anchors=bos,deep=1 (about 85 min on 2 free cores).
 adapter: install

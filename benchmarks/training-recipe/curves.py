@@ -58,12 +58,27 @@ class Point:
 QWEN05_DEPTH = [
     Point(
         "depth",
-        "Qwen2.5-Coder-0.5B, untrained (seed 7, 5 a task)",
+        "Qwen2.5-Coder-0.5B, untrained, deep=64 (seed 7, 5 a task)",
         lcut / 24,
         "sizes-seed7/qwen05-depth",
         speed(lcut, "sink:4"),
     )
     for lcut in (12, 15, 18, 21)
+]
+# SmolLM2-135M on all 260 samples of seed 7 (deep=1), one machine: the untrained model, and
+# the shipped pydocs adapter (trained at lcut=22) run at the deeper cuts as well
+SMOL_DEPTH = [
+    Point("depth", series, lcut / 30, f"smollm2-heldout-seed7/{run}", speed(lcut, "bos", 1), full)
+    for series, run, full in (
+        ("SmolLM2-135M, untrained (seed 7, 20 a task)", "smol-held-base-depth", None),
+        ("SmolLM2-135M, pydocs adapter, against its own full", "smol-held-r2", None),
+        (
+            "SmolLM2-135M, pydocs adapter, against untrained full",
+            "smol-held-r2",
+            "smollm2-heldout-seed7/smol-held-base-full",
+        ),
+    )
+    for lcut in (22, 24, 26)
 ]
 SIZES = [
     Point(
@@ -228,7 +243,7 @@ def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--plot", type=Path, help="write the panels to this PNG")
     args = parser.parse_args(argv)
-    rows = measured(QWEN05_DEPTH + SIZES + STEPS + DISTILL)
+    rows = measured(QWEN05_DEPTH + SMOL_DEPTH + SIZES + STEPS + DISTILL)
     print(table(rows))
     if args.plot:
         plot(rows, args.plot)
