@@ -58,27 +58,28 @@ class Point:
 QWEN05_DEPTH = [
     Point(
         "depth",
-        "Qwen2.5-Coder-0.5B, untrained, deep=64 (seed 7, 5 a task)",
+        "Qwen2.5-0.5B, untrained, deep=64 (5 a task)",
         lcut / 24,
         "sizes-seed7/qwen05-depth",
         speed(lcut, "sink:4"),
     )
     for lcut in (12, 15, 18, 21)
 ]
-# SmolLM2-135M on all 260 samples of seed 7 (deep=1), one machine: the untrained model, and
-# the shipped pydocs adapter (trained at lcut=22) run at the deeper cuts as well
+# SmolLM2-135M on all 260 samples of seed 7 (deep=1): the shipped pydocs adapter (trained at
+# lcut=22) run at three cuts in one run on one machine, and the untrained model at lcut=22
 SMOL_DEPTH = [
     Point("depth", series, lcut / 30, f"smollm2-heldout-seed7/{run}", speed(lcut, "bos", 1), full)
-    for series, run, full in (
-        ("SmolLM2-135M, untrained (seed 7, 20 a task)", "smol-held-base-depth", None),
-        ("SmolLM2-135M, pydocs adapter, against its own full", "smol-held-r2", None),
+    for series, run, full, cuts in (
+        ("SmolLM2, untrained (20 a task)", "smol-held-base-speed", None, (22,)),
+        ("SmolLM2 + pydocs adapter, vs its own full", "smol-held-r2", None, (22, 24, 26)),
         (
-            "SmolLM2-135M, pydocs adapter, against untrained full",
+            "SmolLM2 + pydocs adapter, vs untrained full",
             "smol-held-r2",
             "smollm2-heldout-seed7/smol-held-base-full",
+            (22, 24, 26),
         ),
     )
-    for lcut in (22, 24, 26)
+    for lcut in cuts
 ]
 SIZES = [
     Point(
@@ -182,7 +183,7 @@ DISTILL = [
     )
 ]
 PANELS = {
-    "depth": ("layers below the cut (lcut / layers)", "SPEED - full, RULER points"),
+    "depth": ("layers below the cut (lcut / layers; seed 7)", "SPEED - full, RULER points"),
     "size": ("parameters (billions)", "SPEED - full, RULER points"),
     "steps": ("training steps (SmolLM2-135M, design seed 1)", "SPEED - untrained full"),
     "distill": ("--distill weight (SmolLM2-135M, 300 steps, design seed 1)", "SPEED - full"),
