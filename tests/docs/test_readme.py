@@ -112,7 +112,8 @@ def small(args: list[str]) -> list[str]:
         if any(t.startswith("ruler") for t in tasks):
             from speedkv.evals import ruler
 
-            least = max(ruler.min_length(t) for t in tasks if t.startswith("ruler/"))
+            named = [t for t in tasks if t.startswith("ruler/")]
+            least = max(map(ruler.min_length, named if "ruler" not in tasks else ruler.TASKS))
             extra = [*extra, "--lengths", str(least)]
     return extra
 
