@@ -81,6 +81,21 @@ SMOL_DEPTH = [
     )
     for lcut in cuts
 ]
+# Qwen2.5-Coder-0.5B on all 130 samples of seed 7 (deep=1): run 12's adapter (trained at
+# lcut=18) at three cuts in one run, and the untrained model at the same cuts in another
+QWEN05_TRAINED_DEPTH = [
+    Point("depth", series, lcut / 24, f"qwen05-heldout-seed7/{run}", speed(lcut, "sink:4", 1), full)
+    for series, run, full in (
+        ("Qwen2.5-0.5B, untrained, deep=1 (10 a task)", "qwen-held-base10", None),
+        ("Qwen2.5-0.5B + run 12's adapter, vs its own full", "qwen-held-r12", None),
+        (
+            "Qwen2.5-0.5B + run 12's adapter, vs untrained full",
+            "qwen-held-r12",
+            "qwen05-heldout-seed7/qwen-held-base10",
+        ),
+    )
+    for lcut in (18, 20, 21)
+]
 SIZES = [
     Point(
         "size",
@@ -173,12 +188,34 @@ STEPS = [
     for run, full in [(f"smollm2-design-seed1/{run}", "smollm2-design-seed1/smol-design-base")]
 ]
 # SmolLM2-135M, design seed 1 (5 a task), run 2's recipe at three weights of the KL term
-# (runs 11 and 12 trained with bf16 autocast on an AVX512-BF16 CPU, run 2 in float32 on Zen 3)
+# (runs 11 and 12 trained with bf16 autocast on an AVX512-BF16 CPU, run 2 in float32 on Zen 3);
+# Qwen2.5-Coder-0.5B at two of them on the held-out seed 7 (10 a task, SPEED-18)
 DISTILL = [
-    Point("distill", series, weight, f"smollm2-design-seed1/{run}", speed(22, "bos", 1), full)
+    Point(
+        "distill",
+        f"SmolLM2, seed 1, {series}",
+        weight,
+        f"smollm2-design-seed1/{run}",
+        speed(22, "bos", 1),
+        full,
+    )
     for weight, run in ((0.0, "smol-design-r12"), (0.5, "smol-design-r2"), (1.0, "smol-design-r11"))
     for series, full in (
         ("against untrained full", "smollm2-design-seed1/smol-design-base"),
+        ("against its own full", None),
+    )
+] + [
+    Point(
+        "distill",
+        f"Qwen2.5-0.5B, seed 7, {series}",
+        weight,
+        f"qwen05-heldout-seed7/{run}",
+        speed(18, "sink:4", 1),
+        full,
+    )
+    for weight, run in ((0.0, "qwen-held-r12"), (0.5, "qwen-held-r2"))
+    for series, full in (
+        ("against untrained full", "qwen05-heldout-seed7/qwen-held-base10"),
         ("against its own full", None),
     )
 ]
@@ -186,7 +223,7 @@ PANELS = {
     "depth": ("layers below the cut (lcut / layers; seed 7)", "SPEED - full, RULER points"),
     "size": ("parameters (billions)", "SPEED - full, RULER points"),
     "steps": ("training steps (SmolLM2-135M, design seed 1)", "SPEED - untrained full"),
-    "distill": ("--distill weight (SmolLM2-135M, 300 steps, design seed 1)", "SPEED - full"),
+    "distill": ("--distill weight (300 steps)", "SPEED - full"),
 }
 
 
@@ -244,7 +281,7 @@ def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--plot", type=Path, help="write the panels to this PNG")
     args = parser.parse_args(argv)
-    rows = measured(QWEN05_DEPTH + SMOL_DEPTH + SIZES + STEPS + DISTILL)
+    rows = measured(QWEN05_DEPTH + QWEN05_TRAINED_DEPTH + SMOL_DEPTH + SIZES + STEPS + DISTILL)
     print(table(rows))
     if args.plot:
         plot(rows, args.plot)
