@@ -187,35 +187,30 @@ STEPS = [
     for steps, run in runs
     for run, full in [(f"smollm2-design-seed1/{run}", "smollm2-design-seed1/smol-design-base")]
 ]
-# SmolLM2-135M, design seed 1 (5 a task), run 2's recipe at three weights of the KL term
-# (runs 11 and 12 trained with bf16 autocast on an AVX512-BF16 CPU, run 2 in float32 on Zen 3);
-# Qwen2.5-Coder-0.5B at two of them on the held-out seed 7 (10 a task, SPEED-18)
+# run 2's recipe at several weights of the KL term: SmolLM2-135M on design seed 1 (5 a task;
+# runs 11 and 12 trained with bf16 autocast on an AVX512-BF16 CPU, run 2 in float32 on Zen 3),
+# Qwen2.5-Coder-0.5B on the held-out seed 7 (10 a task, SPEED-18)
 DISTILL = [
-    Point(
-        "distill",
-        f"SmolLM2, seed 1, {series}",
-        weight,
-        f"smollm2-design-seed1/{run}",
-        speed(22, "bos", 1),
-        full,
+    Point("distill", f"{model}, {series}", weight, f"{folder}/{run}", spec, full)
+    for model, folder, spec, base, runs in (
+        (
+            "SmolLM2, seed 1",
+            "smollm2-design-seed1",
+            speed(22, "bos", 1),
+            "smol-design-base",
+            ((0.0, "smol-design-r12"), (0.5, "smol-design-r2"), (1.0, "smol-design-r11")),
+        ),
+        (
+            "Qwen2.5-0.5B, seed 7",
+            "qwen05-heldout-seed7",
+            speed(18, "sink:4", 1),
+            "qwen-held-base10",
+            ((0.0, "qwen-held-r12"), (0.5, "qwen-held-r2")),
+        ),
     )
-    for weight, run in ((0.0, "smol-design-r12"), (0.5, "smol-design-r2"), (1.0, "smol-design-r11"))
+    for weight, run in runs
     for series, full in (
-        ("against untrained full", "smollm2-design-seed1/smol-design-base"),
-        ("against its own full", None),
-    )
-] + [
-    Point(
-        "distill",
-        f"Qwen2.5-0.5B, seed 7, {series}",
-        weight,
-        f"qwen05-heldout-seed7/{run}",
-        speed(18, "sink:4", 1),
-        full,
-    )
-    for weight, run in ((0.0, "qwen-held-r12"), (0.5, "qwen-held-r2"))
-    for series, full in (
-        ("against untrained full", "qwen05-heldout-seed7/qwen-held-base10"),
+        ("against untrained full", f"{folder}/{base}"),
         ("against its own full", None),
     )
 ]
