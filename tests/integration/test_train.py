@@ -462,12 +462,12 @@ def test_extra_tasks_join_a_mix_only_when_named(smol_tokenizer):
     from speedkv.train.data import DEFAULT_WEIGHTS, EXTRA_TASKS, build_mix, mix_spec, parse_mix
     from speedkv.train.tasks import WORDS
 
-    assert set(EXTRA_TASKS) == {"strings", "codedfreq"}
+    assert set(EXTRA_TASKS) == {"strings", "codedfreq", "toplist"}
     assert mix_spec(parse_mix("builtin")) == mix_spec(DEFAULT_WEIGHTS)  # recorded runs resume
-    weights = parse_mix("builtin:strings=1,codedfreq=1,needle=0,continue=0,instruct=0")
+    weights = parse_mix("builtin:strings=1,codedfreq=1,toplist=1,needle=0,continue=0,instruct=0")
     weights = {k: v for k, v in weights.items() if k in EXTRA_TASKS}
     records = build_mix(smol_tokenizer, 12, weights, 900, seed=3, progress=False)
-    assert {r["kind"] for r in records} == {"strings", "codedfreq"}
+    assert {r["kind"] for r in records} == {"strings", "codedfreq", "toplist"}
     for record in records:
         prompt, answer = (m["content"] for m in record["messages"])
         if record["kind"] == "strings":  # the value asked for is in the prompt, copied exactly

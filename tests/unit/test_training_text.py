@@ -12,7 +12,7 @@ from speedkv.errors import UserError
 from speedkv.prompts.builders import TextSource
 from speedkv.prompts.haystack import essays, parse_split, sentence_pool, sentences, split_names
 from speedkv.prompts.pydocs import LONGEST_SENTENCE_CHARS, cut_long, python_docs
-from speedkv.train.tasks import multiquery, wordfreq
+from speedkv.train.tasks import multiquery, toplist, wordfreq
 
 
 @pytest.fixture(scope="module")
@@ -48,9 +48,10 @@ def test_long_runs_are_cut_at_spaces():
     assert cut_long("short.") == ["short."]
 
 
+@pytest.mark.parametrize("drill", [wordfreq, toplist])
 @pytest.mark.parametrize("seed", range(6))
-def test_wordfreq_answer_names_the_most_frequent_words_in_order(source, seed):
-    record = wordfreq(random.Random(seed), source, 900)
+def test_frequency_drills_name_the_most_frequent_words_in_order(source, seed, drill):
+    record = drill(random.Random(seed), source, 900)
     prompt, answer = (m["content"] for m in record["messages"])
     body = prompt.split("\n\n")[1]
     words = [re.sub(r"^\d+\. ", "", item) for item in re.split(r"\n| ", body) if item]
@@ -64,6 +65,17 @@ def test_wordfreq_answer_names_the_most_frequent_words_in_order(source, seed):
     assert len(set(named_counts)) == top  # no tie among them: the order is the answer
     others = [c for w, c in counts.items() if w not in named]
     assert others and min(named_counts) > max(others)
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_toplist_asks_for_ten_words_of_a_numbered_list_where_it_has_room(source, seed):
+    record = toplist(random.Random(seed), source, 1900)
+    prompt, answer = (m["content"] for m in record["messages"])
+    lines = prompt.split("\n\n")[1].split("\n")
+    assert [line.split(". ", 1)[0] for line in lines] == [str(i) for i in range(1, len(lines) + 1)]
+    assert answer.startswith("The 10 most frequent words are: ")
+    short = toplist(random.Random(seed), source, 500)["messages"][1]["content"]
+    assert not short.startswith("The 10 ")  # ten would crowd out the other words
 
 
 @pytest.mark.parametrize("seed", range(4))

@@ -15,6 +15,8 @@ continuation and short instructions keep its decode distribution close to the mo
 - strings: a value no vocabulary word spells (a UUID, a hex code, a run of random letters),
   planted in text, sometimes among distractors, and asked for: it must be copied token by token,
 - codedfreq: wordfreq over made-up letter strings, so the frequent words must be copied too,
+- toplist: a numbered list in which ten words recur more often than the rest, all ten asked
+  for (numbered wordfreq lists under about 2,300 tokens ask for three or five),
 - continue: raw essay text; the prompt is its beginning, the response the next tokens,
 - instruct: short instructions, alone or about a passage, answered later by the base model
   itself at full depth (self-distillation), so short-prompt behaviour is kept.
@@ -435,9 +437,13 @@ def multiquery(rng: random.Random, source: TextSource, budget: int) -> dict:
 def wordfreq(rng: random.Random, source: TextSource, budget: int) -> dict:
     """A numbered list of words (or a plain run of them) in which `top` words recur more
     often than every other word; the answer names them from the most frequent down."""
+    return _frequency_list(rng, _vocabulary(rng, source), budget, "wordfreq", item_tokens=1)
+
+
+def _vocabulary(rng: random.Random, source: TextSource) -> list[str]:
+    """The plain words of a stretch of training text, sorted (the list's order is seeded)."""
     words = {w.strip(".,;:()[]'\"`").lower() for w in source.text(rng, 20000).split()}
-    vocabulary = sorted(w for w in words if w.isalpha() and 3 <= len(w) <= 12)
-    return _frequency_list(rng, vocabulary, budget, "wordfreq", item_tokens=1)
+    return sorted(w for w in words if w.isalpha() and 3 <= len(w) <= 12)
 
 
 def codedfreq(rng: random.Random, source: TextSource, budget: int) -> dict:
@@ -447,17 +453,35 @@ def codedfreq(rng: random.Random, source: TextSource, budget: int) -> dict:
     return _frequency_list(rng, vocabulary, budget, "codedfreq", item_tokens=3)
 
 
+def toplist(rng: random.Random, source: TextSource, budget: int) -> dict:
+    """wordfreq as a numbered list with ten frequent words where it has room (five or three in
+    short ones), all of them asked for. Decoding past a shallow prompt tends to name one word
+    again and again; this asks for ten distinct ones, as RULER's common-word task does."""
+    words = _vocabulary(rng, source)
+    return _frequency_list(rng, words, budget, "toplist", item_tokens=1, numbered=True, most=True)
+
+
 def _frequency_list(
-    rng: random.Random, vocabulary: list[str], budget: int, kind: str, item_tokens: int
+    rng: random.Random,
+    vocabulary: list[str],
+    budget: int,
+    kind: str,
+    item_tokens: int,
+    numbered: bool | None = None,
+    most: bool = False,
 ) -> dict:
+    """`most`: as many top words as the list holds (ten from about 1,300 tokens), letting them
+    fill up to all of it rather than half."""
     rare_max = rng.randint(1, 3)  # how often a word outside the top may recur
-    numbered = rng.random() < 0.5
+    drawn = rng.random() < 0.5  # drawn even when fixed, so wordfreq's records stay as recorded
+    numbered = drawn if numbered is None else numbered
     per_item = item_tokens + (4 if numbered else 1)  # tokens of "123. word\n" or of " word"
     slots = (budget - 120) // per_item
     # the top words' counts are distinct and above every other word's; they fill at most
-    # half the list, so that many other words surround them
-    fits = [t for t in (3, 5, 10) if 2 * t * (rare_max + 2 * t) <= slots]
-    top = rng.choice(fits or [3])
+    # half the list (all of it with `most`), so that other words surround them
+    room = 1 if most else 2
+    fits = [t for t in (3, 5, 10) if room * t * (rare_max + 2 * t) <= slots]
+    top = max(fits or [3]) if most else rng.choice(fits or [3])
     counts = sorted(rng.sample(range(rare_max + 1, rare_max + 1 + 2 * top), top), reverse=True)
     bonus = max(0, slots // (8 * top) - counts[-1])  # long lists: the top words stand out
     counts = [c + bonus for c in counts]
@@ -576,6 +600,7 @@ TASKS: dict[str, Callable[[random.Random, TextSource, int], dict]] = {
     "wordfreq": wordfreq,
     "strings": strings,
     "codedfreq": codedfreq,
+    "toplist": toplist,
     "continue": continuation,
     "instruct": instruct,
 }
