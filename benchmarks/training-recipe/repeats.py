@@ -15,7 +15,7 @@ import re
 from collections import Counter
 from pathlib import Path
 
-from speedkv.leaderboard.rows import read_records
+from speedkv.leaderboard.rows import read_run
 
 FIRST_WORDS = 30
 LOOP_COUNT = 6
@@ -54,7 +54,7 @@ def main() -> None:
     )
     print("|---|---|---:|---:|---:|---:|")
     for run in args.runs:
-        _, records = read_records(run / "records.jsonl")
+        _, records = read_run(run)
         for method, (n, score, distinct, loops) in summarise(records, args.task).items():
             print(f"| {run.name} | `{method}` | {n} | {score:.1f} | {distinct:.1f} | {loops} |")
 

@@ -5,15 +5,21 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from speedkv.leaderboard.rows import read_records
+import pytest
+
+from speedkv.leaderboard.rows import read_run
 
 from helpers import load_script
 
 ROOT = Path(__file__).resolve().parents[2]
 
 
-def test_loops_and_distinct_words_are_counted_per_method():
-    repeats = load_script("benchmarks/training-recipe", "repeats")
+@pytest.fixture(scope="module")
+def repeats():
+    return load_script("benchmarks/training-recipe", "repeats")
+
+
+def test_loops_and_distinct_words_are_counted_per_method(repeats):
     looped = {"task": "ruler/cwe", "method": "speed", "score": "0.1", "answer": "3. edge, " * 40}
     listed = {"task": "ruler/cwe", "method": "full", "score": "0.9",
               "answer": "1. lime 2. blind 3. wind-chime 4. vertigo 5. flume"}  # fmt: skip
@@ -23,10 +29,8 @@ def test_loops_and_distinct_words_are_counted_per_method():
     assert rows["full"] == (1, 90.0, 5.0, 0)
 
 
-def test_the_published_qwen_rows_come_from_the_kept_answers():
-    repeats = load_script("benchmarks/training-recipe", "repeats")
-    run = ROOT / "benchmarks/training-recipe/qwen05-heldout-seed7/qwen-held-base10"
-    _, records = read_records(run / "records.jsonl")
+def test_the_published_qwen_rows_come_from_the_kept_answers(repeats):
+    _, records = read_run(ROOT / "benchmarks/training-recipe/qwen05-heldout-seed7/qwen-held-base10")
     rows = repeats.summarise(records, "ruler/cwe")
     full = rows["full"]
     speed = rows["speed:lcut=18,anchors=sink:4,deep=1,selfonly=false"]
